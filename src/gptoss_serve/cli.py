@@ -1,0 +1,218 @@
+"""The command line: the only place that reads argv and the environment.
+
+gptoss-serve generate --model DIR|demo --prompt TEXT ...
+gptoss-serve logits --model DIR|demo --prompt-ids 1,2,3|@FILE --out FILE.npy
+gptoss-serve make-checkpoint OUT --preset tiny|20b|120b [--layers N ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16")
+
+
+class UsageError(Exception):
+    """A bad command line or input file: reported in one line, exit status 2."""
+
+
+def cache_dir() -> Path:
+    """Where the demo checkpoint lives: $XDG_CACHE_HOME, else ~/.cache."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return Path(base) if base else Path.home() / ".cache"
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from gptoss_serve.checkpoint.demo import resolve_model_dir
+    from gptoss_serve.model import load_model
+    from gptoss_serve.model.transformer import SUPPORTED_DTYPES
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model_dir = resolve_model_dir(args.model, cache_dir())
+    except FileNotFoundError as error:
+        raise UsageError(str(error)) from error
+    started = time.perf_counter()
+    model = load_model(model_dir, dtype=SUPPORTED_DTYPES[args.dtype], device=device)
+    logger.info("model ready in %.1fs", time.perf_counter() - started)
+    return model
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gptoss-serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING ...")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="render a Harmony chat and stream the answer")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--instructions", default=None, help="developer message")
+    gen.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default="medium")
+    gen.add_argument("--max-tokens", type=_positive_int, default=256)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--show-analysis", action="store_true", help="also print the reasoning")
+
+    logits = commands.add_parser("logits", help="write float32 logits [T, vocab] of one pass")
+    _add_model_args(logits)
+    logits.add_argument("--prompt-ids", required=True, help="1,2,3 or @FILE (ids, any spacing)")
+    logits.add_argument("--out", required=True, type=Path, help="output .npy file")
+
+    make = commands.add_parser("make-checkpoint", help="write a random-weight checkpoint")
+    make.add_argument("out", type=Path)
+    make.add_argument("--preset", choices=("tiny", "20b", "120b"), default="tiny")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--shards", type=_positive_int, default=1)
+    for flag in ("layers", "experts", "experts-per-token", "hidden", "intermediate", "heads",
+                 "kv-heads", "head-dim", "vocab", "sliding-window"):  # fmt: skip
+        make.add_argument(f"--{flag}", type=_positive_int, default=None)
+    return parser
+
+
+def parse_token_ids(spec: str) -> list[int]:
+    """``1,2,3`` or ``@FILE`` whose text holds ids separated by commas and/or whitespace."""
+    if spec.startswith("@"):
+        try:
+            spec = Path(spec[1:]).read_text()
+        except OSError as error:
+            raise UsageError(f"--prompt-ids: cannot read {spec[1:]} ({error.strerror})") from error
+    parts = spec.replace(",", " ").split()
+    if not parts:
+        raise UsageError("--prompt-ids: no token ids given")
+    try:
+        return [int(part) for part in parts]
+    except ValueError as error:
+        raise UsageError(f"--prompt-ids: not an integer list ({error})") from error
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from gptoss_serve.harmony import adapter
+    from gptoss_serve.model.generate import SamplingParams, generate
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop_token_ids=adapter.assistant_stop_token_ids(),
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    model = _load(args)
+    prompt_ids = adapter.render_chat_prompt(
+        args.prompt, reasoning_effort=args.reasoning_effort, instructions=args.instructions
+    )
+    parser = adapter.AssistantParser()
+    generated: list[int] = []
+    framing_error = None
+    started = time.perf_counter()
+    for token in generate(model, prompt_ids, params):
+        generated.append(token)
+        if framing_error is not None:
+            continue
+        try:
+            delta = parser.feed(token)
+        except adapter.HarmonyFramingError as error:
+            framing_error = error
+            continue
+        if delta is None:
+            continue
+        if delta.channel == "final":
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        elif args.show_analysis:
+            sys.stderr.write(delta.text)
+            sys.stderr.flush()
+    elapsed = time.perf_counter() - started
+    sys.stdout.write("\n")
+    if framing_error is not None or parser.num_messages == 0:
+        reason = framing_error or "no complete Harmony message"
+        sys.stderr.write(
+            f"[the model did not follow Harmony ({reason}); random demo weights do not. "
+            f"Raw output: {adapter.decode(generated)!r}]\n"
+        )
+    rate = len(generated) / elapsed if elapsed > 0 else float("inf")
+    sys.stderr.write(
+        f"[{len(prompt_ids)} prompt tokens, {len(generated)} generated, {rate:.1f} tok/s]\n"
+    )
+    return 0
+
+
+def run_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    token_ids = parse_token_ids(args.prompt_ids)
+    model = _load(args)
+    vocab_size = model.config.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise UsageError(
+            f"--prompt-ids: token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+        )
+    if len(token_ids) > model.config.max_position_embeddings:
+        raise UsageError(f"--prompt-ids: {len(token_ids)} ids exceed the context length")
+    logits = model(torch.tensor(token_ids, dtype=torch.long), model.new_cache())
+    np.save(args.out, logits.float().cpu().numpy())
+    sys.stderr.write(f"wrote {args.out} {list(logits.shape)} float32\n")
+    return 0
+
+
+def run_make_checkpoint(args: argparse.Namespace) -> int:
+    from gptoss_serve.checkpoint.presets import OVERRIDE_FIELDS
+    from gptoss_serve.checkpoint.synthetic import make_checkpoint
+
+    overrides = {key: getattr(args, key) for key in OVERRIDE_FIELDS}
+    try:
+        out = make_checkpoint(
+            args.out, args.preset, seed=args.seed, num_shards=args.shards, **overrides
+        )
+    except ValueError as error:  # includes ConfigError for impossible shapes
+        raise UsageError(str(error)) from error
+    sys.stderr.write(f"wrote a random {args.preset} checkpoint to {out}\n")
+    return 0
+
+
+COMMANDS = {"generate": run_generate, "logits": run_logits, "make-checkpoint": run_make_checkpoint}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from gptoss_serve.checkpoint import CheckpointError
+    from gptoss_serve.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except (UsageError, ConfigError, CheckpointError) as error:
+        sys.stderr.write(f"gptoss-serve {args.command}: error: {error}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Frozen configuration parsed from a Hugging Face ``config.json`` of model_type ``gpt_oss``.
+
+Standard library only; nothing here reads argv or the environment (that is cli.py's job).
+Every validation error names the offending field so a user can fix their config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("gpt_oss",)
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+# MXFP4 (OCP MX v1.0): one shared E8M0 scale per 32 consecutive elements.
+MXFP4_BLOCK_SIZE = 32
+
+
+class ConfigError(ValueError):
+    """A config.json that gptoss-serve cannot serve; ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str, source: str | None = None) -> None:
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}config field '{field}': {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """YaRN rotary embedding (arXiv:2309.00071), as gpt-oss uses it."""
+
+    theta: float
+    factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_position_embeddings: int
+    # gpt-oss sets ``truncate: false``: the correction range is not floored/ceiled.
+    truncate: bool
+
+    @property
+    def attention_scaling(self) -> float:
+        """YaRN's cos/sin scale ("concentration"): 0.1·ln(factor) + 1."""
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1.0 else 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    swiglu_limit: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # Not in config.json: a constant of the architecture (SwiGLU with sigmoid(1.702·x)).
+    swiglu_alpha: float = 1.702
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    # -- parsing -------------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError("<file>", "config.json not found", str(path)) from None
+        except json.JSONDecodeError as error:
+            raise ConfigError("<file>", f"not valid JSON ({error})", str(path)) from error
+        if not isinstance(raw, dict):
+            raise ConfigError("<file>", "top level must be a JSON object", str(path))
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str | None = None) -> ModelConfig:
+        reader = _Reader(raw, source)
+        model_type = reader.get("model_type", str)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                "model_type", f"unsupported {model_type!r} (supported: gpt_oss)", source
+            )
+        num_layers = reader.positive_int("num_hidden_layers")
+        num_experts = reader.positive_int("num_local_experts")
+        config = cls(
+            vocab_size=reader.positive_int("vocab_size"),
+            hidden_size=reader.positive_int("hidden_size"),
+            intermediate_size=reader.positive_int("intermediate_size"),
+            num_hidden_layers=num_layers,
+            num_attention_heads=reader.positive_int("num_attention_heads"),
+            num_key_value_heads=reader.positive_int("num_key_value_heads"),
+            head_dim=reader.positive_int("head_dim"),
+            num_local_experts=num_experts,
+            num_experts_per_tok=_experts_per_token(reader),
+            sliding_window=reader.positive_int("sliding_window"),
+            layer_types=_layer_types(reader, num_layers),
+            rms_norm_eps=reader.positive_float("rms_norm_eps"),
+            swiglu_limit=reader.positive_float("swiglu_limit"),
+            max_position_embeddings=reader.positive_int("max_position_embeddings"),
+            rope=_rope(reader),
+            eos_token_id=reader.optional_int("eos_token_id"),
+            pad_token_id=reader.optional_int("pad_token_id"),
+        )
+        _check_consistency(config, reader)
+        return config
+
+
+class _Reader:
+    """Typed access to the raw dict; every failure names the field."""
+
+    def __init__(self, raw: dict[str, Any], source: str | None) -> None:
+        self.raw = raw
+        self.source = source
+
+    def fail(self, field: str, message: str) -> ConfigError:
+        return ConfigError(field, message, self.source)
+
+    def get(self, field: str, kind: type | tuple[type, ...], raw: dict | None = None) -> Any:
+        raw = self.raw if raw is None else raw
+        if field not in raw:
+            raise self.fail(field, "missing")
+        value = raw[field]
+        # bool is an int in Python; a config saying `"hidden_size": true` is still wrong.
+        if isinstance(value, bool) and kind is not bool:
+            raise self.fail(field, f"expected {_kind_name(kind)}, got {value!r}")
+        if not isinstance(value, kind):
+            raise self.fail(field, f"expected {_kind_name(kind)}, got {value!r}")
+        return value
+
+    def positive_int(self, field: str, raw: dict | None = None) -> int:
+        value = self.get(field, int, raw)
+        if value <= 0:
+            raise self.fail(field, f"must be a positive integer, got {value}")
+        return value
+
+    def positive_float(self, field: str, raw: dict | None = None) -> float:
+        value = float(self.get(field, (int, float), raw))
+        if not (value > 0 and math.isfinite(value)):
+            raise self.fail(field, f"must be a positive finite number, got {value}")
+        return value
+
+    def optional_int(self, field: str) -> int | None:
+        value = self.raw.get(field)
+        if value is None:
+            return None
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            return value[0]  # HF allows a list of EOS ids; Harmony supplies the real stops
+        return self.get(field, int)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _experts_per_token(reader: _Reader) -> int:
+    # HF's name is num_experts_per_tok; OpenAI's original is experts_per_token. Either will do.
+    field = "num_experts_per_tok" if "num_experts_per_tok" in reader.raw else "experts_per_token"
+    return reader.positive_int(field)
+
+
+def _layer_types(reader: _Reader, num_layers: int) -> tuple[str, ...]:
+    if "layer_types" not in reader.raw:
+        # gpt-oss alternates, starting with a sliding layer (HF's default too).
+        return tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers))
+    types = reader.get("layer_types", list)
+    if len(types) != num_layers:
+        raise reader.fail(
+            "layer_types", f"has {len(types)} entries but num_hidden_layers is {num_layers}"
+        )
+    for i, kind in enumerate(types):
+        if kind not in (SLIDING, FULL):
+            raise reader.fail(
+                f"layer_types[{i}]", f"unknown layer type {kind!r} (expected {SLIDING} or {FULL})"
+            )
+    return tuple(types)
+
+
+def _rope(reader: _Reader) -> RopeConfig:
+    theta = reader.positive_float("rope_theta")
+    scaling = reader.raw.get("rope_scaling") or reader.raw.get("rope_parameters")
+    if scaling is None:
+        raise reader.fail("rope_scaling", "missing (gpt-oss uses YaRN)")
+    if not isinstance(scaling, dict):
+        raise reader.fail("rope_scaling", f"expected an object, got {scaling!r}")
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type != "yarn":
+        raise reader.fail("rope_scaling.rope_type", f"unsupported {rope_type!r} (expected 'yarn')")
+
+    def sub(field: str) -> float:
+        if field not in scaling:
+            raise reader.fail(f"rope_scaling.{field}", "missing")
+        value = scaling[field]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise reader.fail(f"rope_scaling.{field}", f"must be a positive number, got {value!r}")
+        return float(value)
+
+    original = sub("original_max_position_embeddings")
+    if original != int(original):
+        raise reader.fail("rope_scaling.original_max_position_embeddings", "must be an integer")
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise reader.fail("rope_scaling.truncate", f"expected a boolean, got {truncate!r}")
+    return RopeConfig(
+        theta=theta,
+        factor=sub("factor"),
+        beta_fast=sub("beta_fast"),
+        beta_slow=sub("beta_slow"),
+        original_max_position_embeddings=int(original),
+        truncate=truncate,
+    )
+
+
+def _check_consistency(config: ModelConfig, reader: _Reader) -> None:
+    for field in ("hidden_size", "intermediate_size"):
+        value = getattr(config, field)
+        if value % MXFP4_BLOCK_SIZE:
+            raise reader.fail(
+                field, f"{value} is not a multiple of {MXFP4_BLOCK_SIZE} (the MXFP4 block size)"
+            )
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise reader.fail(
+            "num_key_value_heads",
+            f"{config.num_key_value_heads} does not divide num_attention_heads "
+            f"({config.num_attention_heads})",
+        )
+    if config.head_dim % 2:
+        raise reader.fail("head_dim", f"{config.head_dim} must be even for rotary embeddings")
+    if config.num_experts_per_tok > config.num_local_experts:
+        raise reader.fail(
+            "num_experts_per_tok",
+            f"{config.num_experts_per_tok} exceeds num_local_experts ({config.num_local_experts})",
+        )
+    if reader.raw.get("tie_word_embeddings"):
+        raise reader.fail("tie_word_embeddings", "gpt-oss has a separate lm_head; must be false")
+    if reader.raw.get("attention_bias") is False:
+        raise reader.fail("attention_bias", "gpt-oss attention has biases; must be true")
+    quant = reader.raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        if method != "mxfp4":
+            raise reader.fail(
+                "quantization_config.quant_method",
+                f"unsupported {method!r} (the experts must be MXFP4, as released)",
+            )

@@ -1,0 +1,1 @@
+"""Harmony: rendering conversations to tokens and parsing tokens back, over openai-harmony."""
