@@ -15,6 +15,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from gptoss_serve.checkpoint import CheckpointError
+from gptoss_serve.checkpoint.demo import resolve_model_dir
+from gptoss_serve.checkpoint.presets import OVERRIDE_FIELDS
+from gptoss_serve.checkpoint.synthetic import make_checkpoint
+from gptoss_serve.config import ConfigError
+from gptoss_serve.harmony import adapter
+from gptoss_serve.model import load_model
+from gptoss_serve.model.generate import SamplingParams, generate
+from gptoss_serve.model.transformer import SUPPORTED_DTYPES
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
@@ -37,11 +50,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    import torch
-
-    from gptoss_serve.checkpoint.demo import resolve_model_dir
-    from gptoss_serve.model import load_model
-    from gptoss_serve.model.transformer import SUPPORTED_DTYPES
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -110,8 +118,6 @@ def parse_token_ids(spec: str) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from gptoss_serve.harmony import adapter
-    from gptoss_serve.model.generate import SamplingParams, generate
 
     try:
         params = SamplingParams(
@@ -164,8 +170,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_logits(args: argparse.Namespace) -> int:
-    import numpy as np
-    import torch
 
     token_ids = parse_token_ids(args.prompt_ids)
     model = _load(args)
@@ -184,8 +188,6 @@ def run_logits(args: argparse.Namespace) -> int:
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> int:
-    from gptoss_serve.checkpoint.presets import OVERRIDE_FIELDS
-    from gptoss_serve.checkpoint.synthetic import make_checkpoint
 
     overrides = {key: getattr(args, key) for key in OVERRIDE_FIELDS}
     try:
@@ -202,8 +204,6 @@ COMMANDS = {"generate": run_generate, "logits": run_logits, "make-checkpoint": r
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gptoss_serve.checkpoint import CheckpointError
-    from gptoss_serve.config import ConfigError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

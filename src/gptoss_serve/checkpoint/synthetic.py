@@ -62,7 +62,7 @@ def make_checkpoint(
             if num_shards == 1
             else f"model-{shard_index + 1:05d}-of-{num_shards:05d}.safetensors"
         )
-        tensors = {spec.name: random_tensor(spec, config, generator) for spec in shard}
+        tensors = {spec.name: random_tensor(spec, generator) for spec in shard}
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
         for name, tensor in tensors.items():
             weight_map[name] = file_name
@@ -94,48 +94,47 @@ def _split(specs: list[TensorSpec], num_shards: int) -> list[list[TensorSpec]]:
     return shards
 
 
-def random_tensor(
-    spec: TensorSpec, config: ModelConfig, generator: torch.Generator
-) -> torch.Tensor:
+def random_tensor(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
     """One tensor of ``spec``'s shape and dtype with the scale its role calls for."""
-    kind = spec.name.rsplit(".", 2)[-2:]  # e.g. ["q_proj", "weight"] or ["experts", "..."]
     suffix = spec.name.rsplit(".", 1)[-1]
     if suffix.endswith("_blocks"):
         return torch.randint(0, 256, spec.shape, dtype=torch.uint8, generator=generator)
     if suffix.endswith("_scales"):
-        fan_in = spec.shape[-1] * 32
-        if suffix.startswith("gate_up"):
-            target = _GATE_UP_STD / math.sqrt(fan_in)  # per-element std for std-4 outputs
-        else:
-            target = 1.0 / (_SWIGLU_RMS * math.sqrt(fan_in))  # down_proj: output std ~1
-        base = E8M0_BIAS + round(math.log2(target / _E2M1_RMS))
-        jitter = torch.randint(-1, 2, spec.shape, generator=generator)
-        return (base + jitter).to(torch.uint8)
-    std, mean = _std_and_mean(kind, suffix, spec, config)
+        return _random_scales(spec, generator)
+    std, mean = _std_and_mean(spec)
     values = torch.randn(spec.shape, generator=generator) * std + mean
     return values.to(torch.bfloat16)
 
 
-def _std_and_mean(
-    kind: list[str], suffix: str, spec: TensorSpec, config: ModelConfig
-) -> tuple[float, float]:
-    fan_in = spec.shape[-1]
-    if suffix == "sinks":
-        return 1.5, 1.0
-    if "norm" in spec.name:
+def _random_scales(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
+    """E8M0 exponents around a fan-in-derived base, jittered by ±1 per 32-element block."""
+    fan_in = spec.shape[-1] * 32
+    if spec.name.endswith("gate_up_proj_scales"):
+        target = _GATE_UP_STD / math.sqrt(fan_in)  # per-element std for std-4 outputs
+    else:
+        target = 1.0 / (_SWIGLU_RMS * math.sqrt(fan_in))  # down_proj: output std ~1
+    base = E8M0_BIAS + round(math.log2(target / _E2M1_RMS))
+    jitter = torch.randint(-1, 2, spec.shape, generator=generator)
+    return (base + jitter).to(torch.uint8)
+
+
+# (std, mean) by the last one or two parts of the name; weights get gain / sqrt(fan_in).
+_FIXED_INIT = {
+    "sinks": (1.5, 1.0),
+    "gate_up_proj_bias": (0.5, 0.0),
+    "down_proj_bias": (0.1, 0.0),
+    "bias": (0.1, 0.0),
+    "embed_tokens.weight": (1.0, 0.0),
+}
+# q, k: attention logits q·k/sqrt(d) with std ~2; lm_head: logits with std ~2.
+_WEIGHT_GAIN = {"q_proj": 1.5, "k_proj": 1.5, "o_proj": 0.5, "lm_head": 2.0}
+
+
+def _std_and_mean(spec: TensorSpec) -> tuple[float, float]:
+    module, suffix = spec.name.split(".")[-2:]
+    if module.endswith("norm"):
         return 0.1, 1.0
-    if suffix.endswith("_bias"):  # expert biases
-        return (0.5 if suffix.startswith("gate_up") else 0.1), 0.0
-    if kind[-1] == "bias":
-        return 0.1, 0.0
-    # weights
-    if spec.name == "model.embed_tokens.weight":
-        return 1.0, 0.0
-    module = kind[0]
-    if module in ("q_proj", "k_proj"):
-        return 1.5 / math.sqrt(fan_in), 0.0  # logits q·k/sqrt(d) with std ~2
-    if module == "o_proj":
-        return 0.5 / math.sqrt(fan_in), 0.0
-    if module == "lm_head":
-        return 2.0 / math.sqrt(fan_in), 0.0
-    return 1.0 / math.sqrt(fan_in), 0.0  # v_proj, router
+    for key in (f"{module}.{suffix}", suffix):
+        if key in _FIXED_INIT:
+            return _FIXED_INIT[key]
+    return _WEIGHT_GAIN.get(module, 1.0) / math.sqrt(spec.shape[-1]), 0.0

@@ -34,7 +34,7 @@ def encoding() -> oh.HarmonyEncoding:
 
 def encode(text: str) -> list[int]:
     """Plain text -> token ids (special-token text is encoded as ordinary text)."""
-    return encoding().encode(text, allowed_special=set())
+    return encoding().encode(text, disallowed_special=())
 
 
 def decode(token_ids: Sequence[int]) -> str:

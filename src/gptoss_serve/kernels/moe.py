@@ -31,9 +31,9 @@ def moe(
     routing_weights: torch.Tensor,
     expert_ids: torch.Tensor,
     expert_weights: ExpertWeights,
+    *,
     gate_up_bias: torch.Tensor,
     down_bias: torch.Tensor,
-    *,
     alpha: float,
     limit: float,
 ) -> torch.Tensor:

@@ -135,8 +135,8 @@ class MLP(nn.Module):
             routing_weights,
             expert_ids,
             self.experts.weights,
-            self.experts.gate_up_proj_bias,
-            self.experts.down_proj_bias,
+            gate_up_bias=self.experts.gate_up_proj_bias,
+            down_bias=self.experts.down_proj_bias,
             alpha=self.alpha,
             limit=self.limit,
         )

@@ -1,0 +1,61 @@
+"""Shared fixtures: offline settings, random-weight checkpoints of several shapes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptoss_serve.checkpoint.synthetic import make_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+
+# openai-harmony's vocabulary: CI and `make` point at ../shared/vocab; do the same for a bare
+# `pytest` run from a checkout that has it beside it. Offline: never reach for the HF hub.
+_VOCAB = REPO.parent / "shared" / "vocab"
+if "TIKTOKEN_ENCODINGS_BASE" not in os.environ and (_VOCAB / "o200k_base.tiktoken").exists():
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(_VOCAB)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Three shapes for the transformers comparison: 8+ experts so selection matters, one sharded,
+# different head groupings and head_dims (q_dim != hidden in all of them).
+CHECKPOINT_SHAPES = {
+    "tiny8": dict(preset="tiny", seed=1, vocab=1024),
+    "sharded16": dict(
+        preset="tiny", seed=2, vocab=777, layers=3, experts=16, hidden=64, intermediate=96,
+        heads=4, kv_heads=1, head_dim=16, num_shards=3,
+    ),
+    "wide12": dict(
+        preset="tiny", seed=3, vocab=2048, layers=2, experts=12, hidden=96, intermediate=64,
+        heads=8, kv_heads=4, head_dim=64, num_shards=2,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    dirs = {}
+    for name, spec in CHECKPOINT_SHAPES.items():
+        options = dict(spec)
+        dirs[name] = make_checkpoint(root / name, options.pop("preset"), **options)
+    return dirs
+
+
+@pytest.fixture()
+def tiny_dir(tmp_path: Path) -> Path:
+    """A fresh small single-file checkpoint a test may damage."""
+    return make_checkpoint(tmp_path / "tiny", "tiny", seed=5, vocab=256, layers=2)
