@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from gptoss_serve.checkpoint.demo import resolve_model_dir
+from gptoss_serve.cli import cache_dir
 from gptoss_serve.model import GptOssForCausalLM, load_model
 from gptoss_serve.model.generate import SamplingParams, generate
 from gptoss_serve.model.transformer import SUPPORTED_DTYPES
@@ -39,12 +38,6 @@ logger = logging.getLogger("bench.demo_decode")
 PROMPT_TOKENS = 512
 DECODE_TOKENS = 256
 PROMPT_SEED = 0
-
-
-def cache_dir() -> Path:
-    """Where the demo checkpoint lives: $XDG_CACHE_HOME, else ~/.cache (as the CLI does)."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return Path(base) if base else Path.home() / ".cache"
 
 
 def random_prompt(vocab_size: int, num_tokens: int) -> list[int]:
