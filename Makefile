@@ -14,7 +14,7 @@ ifneq ($(wildcard $(VOCAB_DIR)/o200k_base.tiktoken),)
 export TIKTOKEN_ENCODINGS_BASE ?= $(VOCAB_DIR)
 endif
 
-.PHONY: install test lint generate clean
+.PHONY: install serve test lint generate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The Responses API on the built-in demo model, on http://127.0.0.1:8000.
+serve: $(STAMP)
+	$(BIN)/gptoss-serve serve --model demo $(SERVE_ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -17,16 +17,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import uvicorn
 
 from gptoss_serve.checkpoint import CheckpointError
 from gptoss_serve.checkpoint.demo import resolve_model_dir
 from gptoss_serve.checkpoint.presets import OVERRIDE_FIELDS
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
-from gptoss_serve.config import ConfigError
+from gptoss_serve.config import ConfigError, ServerConfig
+from gptoss_serve.engine.cpu_engine import CpuEngine
 from gptoss_serve.harmony import adapter
 from gptoss_serve.model import load_model
 from gptoss_serve.model.generate import SamplingParams, generate
 from gptoss_serve.model.transformer import SUPPORTED_DTYPES
+from gptoss_serve.server.app import create_app
+from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,12 @@ def cache_dir() -> Path:
     """Where the demo checkpoint lives: $XDG_CACHE_HOME, else ~/.cache."""
     base = os.environ.get("XDG_CACHE_HOME")
     return Path(base) if base else Path.home() / ".cache"
+
+
+def data_dir() -> Path:
+    """Where stored responses live by default: $XDG_DATA_HOME, else ~/.local/share."""
+    base = os.environ.get("XDG_DATA_HOME")
+    return (Path(base) if base else Path.home() / ".local" / "share") / "gptoss-serve"
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(logits)
     logits.add_argument("--prompt-ids", required=True, help="1,2,3 or @FILE (ids, any spacing)")
     logits.add_argument("--out", required=True, type=Path, help="output .npy file")
+
+    serve = commands.add_parser("serve", help="serve the OpenAI Responses API over HTTP")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--store-path", type=Path, default=None,
+                       help="SQLite file of stored responses (default: XDG data dir)")  # fmt: skip
+    serve.add_argument("--default-max-output-tokens", type=_positive_int, default=4096,
+                       help="output cap for requests without max_output_tokens")  # fmt: skip
+    serve.add_argument("--max-concurrent", type=_positive_int, default=8,
+                       help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
 
     make = commands.add_parser("make-checkpoint", help="write a random-weight checkpoint")
     make.add_argument("out", type=Path)
@@ -200,7 +221,27 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": run_generate, "logits": run_logits, "make-checkpoint": run_make_checkpoint}
+def run_serve(args: argparse.Namespace) -> int:
+    store_path = args.store_path or data_dir() / "responses.sqlite3"
+    config = ServerConfig(
+        host=args.host, port=args.port, store_path=str(store_path),
+        default_max_output_tokens=args.default_max_output_tokens,
+    )  # fmt: skip
+    model = _load(args)
+    name = "demo" if args.model == "demo" else Path(args.model).resolve().name
+    engine = CpuEngine(model, name, max_active=args.max_concurrent)
+    app = create_app(engine, ResponseStore(config.store_path), config)
+    logger.warning("serving %s on http://%s:%d (store: %s)", name, args.host, args.port, store_path)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower())
+    return 0
+
+
+COMMANDS = {
+    "serve": run_serve,
+    "generate": run_generate,
+    "logits": run_logits,
+    "make-checkpoint": run_make_checkpoint,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

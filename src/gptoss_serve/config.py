@@ -266,3 +266,36 @@ def _check_consistency(config: ModelConfig, reader: _Reader) -> None:
                 "quantization_config.quant_method",
                 f"unsupported {method!r} (the experts must be MXFP4, as released)",
             )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; ``seed`` makes sampling reproducible.
+
+    Generation stops after a token in ``stop_token_ids`` (which is emitted) or after
+    ``max_tokens`` tokens.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    store_path: str = ":memory:"  # SQLite file of stored responses
+    # Output cap when a request gives no max_output_tokens (None: the rest of the context).
+    default_max_output_tokens: int | None = 4096
+    reasoning_effort: str = "medium"  # when a request gives none

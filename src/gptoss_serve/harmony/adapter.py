@@ -12,6 +12,7 @@ import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import openai_harmony as oh
 
@@ -108,3 +109,137 @@ class AssistantParser:
     @property
     def num_messages(self) -> int:
         return len(self._parser.messages)
+
+
+# -- token-level parsing primitives (used by parse.py, which holds the policy) ----------------
+
+
+def is_special_token(token_id: int) -> bool:
+    return encoding().is_special_token(token_id)
+
+
+class MessageTokenParser:
+    """``StreamableParser`` with its errors as HarmonyFramingError, and nothing more.
+
+    ``after_start`` means the prompt already ended with ``<|start|>assistant``, so the header
+    begins without a role; otherwise the parser waits for ``<|start|>``. Reading the
+    library's ``state`` costs a JSON dump of the whole message, so callers track the phase
+    from the special tokens themselves.
+    """
+
+    def __init__(self, *, after_start: bool) -> None:
+        role = oh.Role.ASSISTANT if after_start else None
+        self._parser = oh.StreamableParser(encoding(), role=role)
+
+    def process(self, token_id: int) -> str | None:
+        """Feed one token; return the UTF-8-safe content text it completed, if any."""
+        try:
+            self._parser.process(token_id)
+        except oh.HarmonyError as error:
+            raise HarmonyFramingError(str(error)) from error
+        return self._parser.last_content_delta
+
+    @property
+    def channel(self) -> str | None:
+        return self._parser.current_channel
+
+    @property
+    def recipient(self) -> str | None:
+        return self._parser.current_recipient
+
+    @property
+    def content_type(self) -> str | None:
+        return self._parser.current_content_type
+
+
+# -- rendering a whole conversation (used by render.py) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function tool of the ``functions`` namespace, in plain data."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema of the arguments object
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    """One history message in plain data. ``role`` is user, assistant or tool; a tool
+    message's ``author_name`` is e.g. ``functions.get_weather``."""
+
+    role: str
+    text: str
+    author_name: str | None = None
+    channel: str | None = None
+    recipient: str | None = None
+    content_type: str | None = None
+
+
+def special_token_id(text: str) -> int:
+    """The id of one special token such as ``<|end|>``."""
+    ids = encoding().encode(text, allowed_special="all")
+    if len(ids) != 1 or not encoding().is_special_token(ids[0]):
+        raise ValueError(f"{text!r} is not a special token")
+    return ids[0]
+
+
+def render_completion_prompt(
+    messages: Sequence[MessageSpec],
+    *,
+    reasoning_effort: str,
+    today: dt.date,
+    channels: Sequence[str],
+    has_developer: bool = False,
+    instructions: str | None = None,
+    tools: Sequence[ToolSpec] = (),
+) -> list[int]:
+    """System (+ developer) + history, ending with ``<|start|>assistant``.
+
+    The library's automatic analysis drop is off: the caller applies its own rule.
+    """
+    system = _system_message(reasoning_effort, today, channels)
+    developer = [_developer_message(instructions, tools)] if has_developer else []
+    history = [_history_message(spec) for spec in messages]
+    conversation = oh.Conversation.from_messages([system, *developer, *history])
+    config = oh.RenderConversationConfig(auto_drop_analysis=False)
+    return encoding().render_conversation_for_completion(conversation, oh.Role.ASSISTANT, config)
+
+
+def _system_message(reasoning_effort: str, today: dt.date, channels: Sequence[str]) -> oh.Message:
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}")
+    system = (
+        oh.SystemContent.new()
+        .with_model_identity(MODEL_IDENTITY)
+        .with_knowledge_cutoff(KNOWLEDGE_CUTOFF)
+        .with_conversation_start_date(today.isoformat())
+        .with_reasoning_effort(oh.ReasoningEffort(reasoning_effort.capitalize()))
+        .with_channel_config(oh.ChannelConfig.require_channels(list(channels)))
+    )
+    return oh.Message.from_role_and_content(oh.Role.SYSTEM, system)
+
+
+def _developer_message(instructions: str | None, tools: Sequence[ToolSpec]) -> oh.Message:
+    developer = oh.DeveloperContent.new()
+    if instructions:
+        developer = developer.with_instructions(instructions)
+    if tools:
+        # ToolDescription wants a str; an empty description renders no `//` line.
+        descriptions = [
+            oh.ToolDescription.new(t.name, t.description or "", t.parameters) for t in tools
+        ]
+        developer = developer.with_function_tools(descriptions)
+    return oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer)
+
+
+def _history_message(spec: MessageSpec) -> oh.Message:
+    role = oh.Role(spec.role)
+    author = oh.Author.new(role, spec.author_name) if spec.author_name else oh.Author(role=role)
+    message = oh.Message.from_author_and_content(author, spec.text)
+    # The builders set fields in place; None means "absent" in the library too.
+    message.channel = spec.channel
+    message.recipient = spec.recipient
+    message.content_type = spec.content_type
+    return message

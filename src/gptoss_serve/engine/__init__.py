@@ -1,0 +1,1 @@
+"""Engines: what turns prompts into token streams. The server sees only ``EngineClient``."""

@@ -1,0 +1,40 @@
+"""The interface between the server and an engine (CPU now, GPU later). No torch here.
+
+An engine takes a prompt (token ids) with sampling parameters and streams back token ids
+asynchronously; closing the stream early (a client that went away) aborts the generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gptoss_serve.config import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """Generation failed inside the engine; it fails one response, never the server."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str  # the id served under /v1/models
+    max_context_tokens: int  # prompt + output must fit
+    vocab_size: int
+    created_at: int  # unix time the model was loaded (the model object's `created`)
+
+
+class EngineClient(Protocol):
+    info: EngineInfo
+
+    def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[int]:
+        """Stream the generated token ids (the last is a stop token unless max_tokens ran
+        out). Raises EngineError if generation fails. Closing the iterator aborts it."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the engine; in-flight generations end with EngineError."""
+        ...

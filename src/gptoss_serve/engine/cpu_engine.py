@@ -1,0 +1,130 @@
+"""The CPU engine: the plain-torch model in a worker thread, several requests interleaved.
+
+Requests are not batched (the plain-torch model runs one sequence per call); instead the
+worker round-robins: each pass prefills newly admitted requests and decodes one token for
+every active one, so concurrent requests all make progress. The event loop never runs the
+model: tokens cross back to it with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from gptoss_serve.config import SamplingParams
+from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.model.generate import Generation
+from gptoss_serve.model.transformer import GptOssForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()  # end-of-stream marker on a request's queue
+
+
+@dataclass
+class _Job:
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    generation: Generation | None = None
+    is_cancelled: bool = False
+    is_done: bool = False
+    errors: list[BaseException] = field(default_factory=list)
+
+    def post(self, item: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class CpuEngine:
+    """An ``EngineClient`` over the plain-torch model (CPU or a single CUDA device)."""
+
+    def __init__(self, model: GptOssForCausalLM, model_name: str, *, max_active: int = 8) -> None:
+        self.model = model
+        self.info = EngineInfo(
+            model_name=model_name,
+            max_context_tokens=model.config.max_position_embeddings,
+            vocab_size=model.config.vocab_size,
+            created_at=int(time.time()),
+        )
+        self.max_active = max_active
+        self._condition = threading.Condition()
+        self._pending: deque[_Job] = deque()
+        self._active: list[_Job] = []
+        self._is_stopped = False
+        self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[int]:
+        job = _Job(
+            request_id, list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue()
+        )
+        with self._condition:
+            if self._is_stopped:
+                raise EngineError("the engine is shut down")
+            self._pending.append(job)
+            self._condition.notify()
+        try:
+            while (item := await job.queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise EngineError(f"generation failed: {item}") from item
+                yield item
+        finally:
+            if not job.is_done:  # the consumer went away (client disconnect): abort
+                job.is_cancelled = True
+                logger.info("request %s aborted", request_id)
+
+    async def close(self) -> None:
+        with self._condition:
+            self._is_stopped = True
+            self._condition.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    # -- the worker thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not (self._pending or self._active or self._is_stopped):
+                    self._condition.wait()
+                if self._is_stopped:
+                    break
+                while self._pending and len(self._active) < self.max_active:
+                    self._active.append(self._pending.popleft())
+            for job in list(self._active):
+                self._step(job)
+        for job in [*self._active, *self._pending]:
+            job.post(EngineError("the engine shut down"))
+
+    def _step(self, job: _Job) -> None:
+        if job.is_cancelled:
+            self._finish(job, None)
+            return
+        try:
+            if job.generation is None:
+                job.generation = Generation(self.model, job.prompt_ids, job.params)
+            token = job.generation.step()
+        except Exception as error:  # one request fails; the engine and the others go on
+            logger.exception("request %s failed", job.request_id)
+            self._finish(job, error)
+            return
+        if token is not None:
+            job.post(token)
+        if token is None or job.generation.is_finished:
+            self._finish(job, _DONE)
+
+    def _finish(self, job: _Job, item: object) -> None:
+        job.is_done = True
+        if item is not None:
+            job.post(item)
+        self._active.remove(job)

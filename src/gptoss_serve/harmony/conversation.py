@@ -1,0 +1,117 @@
+"""The conversation as Harmony sees it: plain dataclasses, independent of the HTTP protocol.
+
+The server converts Responses API input into these; ``render.py`` turns them into prompt
+tokens; ``parse.py`` turns generated tokens back into ``ParseEvent``s. No torch, no engine.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["user", "assistant", "system", "developer"]
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema of the arguments object
+    strict: bool = False
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """``text.format`` of type json_schema: rendered as a ``# Response Formats`` section."""
+
+    name: str
+    schema: dict[str, Any]
+    description: str | None = None
+    strict: bool = False
+
+
+# -- history items ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message of the conversation. An assistant message's channel is ``final`` for an
+    answer and ``commentary`` for a preamble (a commentary message without recipient).
+    System and developer messages are folded into the developer message's instructions."""
+
+    role: Role
+    text: str
+    channel: str | None = None
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """An assistant call: rendered as a commentary message to ``functions.{name}``
+    with content type ``<|constrain|>json``."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class FunctionCallOutput:
+    """A tool result: rendered as a message from ``functions.{name}`` to assistant on
+    commentary. ``name`` is resolved by the caller from the matching FunctionCall."""
+
+    call_id: str
+    name: str
+    output: str
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """An assistant analysis (chain-of-thought) message."""
+
+    text: str
+
+
+Item = Message | FunctionCall | FunctionCallOutput | Reasoning
+
+
+@dataclass(frozen=True)
+class RenderRequest:
+    items: tuple[Item, ...]
+    instructions: str | None = None
+    reasoning_effort: Literal["low", "medium", "high"] = "medium"
+    tools: tuple[FunctionTool, ...] = ()
+    response_format: ResponseFormat | None = None
+    today: dt.date = field(default_factory=dt.date.today)
+
+
+# -- what the parser reports ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MessageStarted:
+    """The header of a new assistant message is complete; its content follows."""
+
+    channel: str | None
+    recipient: str | None  # e.g. "functions.get_weather"; None for a plain message
+    content_type: str | None  # e.g. "<|constrain|>json"
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    """New UTF-8-safe text of the message being generated."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class MessageDone:
+    """The message ended (``<|end|>``, ``<|return|>``, ``<|call|>``, or end of generation)."""
+
+    channel: str | None
+    recipient: str | None
+    content_type: str | None
+    text: str
+
+
+ParseEvent = MessageStarted | ContentDelta | MessageDone

@@ -1,0 +1,1 @@
+"""The OpenAI Responses API over an injected engine client. Never imports torch."""

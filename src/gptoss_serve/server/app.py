@@ -1,0 +1,134 @@
+"""The FastAPI application: routes, SSE, and nothing else (the engine client is injected)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gptoss_serve import __version__
+from gptoss_serve.config import ServerConfig
+from gptoss_serve.engine.client import EngineClient
+from gptoss_serve.server.errors import install_error_handlers, not_found
+from gptoss_serve.server.objects import (
+    DeletedResponse,
+    ErrorResponse,
+    InputItemList,
+    ModelList,
+    ModelObject,
+    ResponseObject,
+)
+from gptoss_serve.server.protocol import CreateResponseRequest
+from gptoss_serve.server.responses import Prepared, prepare, run
+from gptoss_serve.server.store import ResponseStore
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 500)}
+_SSE_DOC = {
+    200: {
+        "description": "The response object, or with `stream: true` a text/event-stream of "
+        "response events ending with response.completed, .incomplete or .failed.",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.close()
+        store.close()
+
+    app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    model = ModelObject(id=engine.info.model_name, created=engine.info.created_at)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, **_SSE_DOC})
+    async def create_response(body: CreateResponseRequest):
+        prepared = prepare(body, engine, store, config)
+        if body.stream:
+            return StreamingResponse(
+                _sse(prepared, engine, store),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        async for _ in run(prepared, engine, store):
+            pass
+        return JSONResponse(prepared.response.dump())
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
+    async def get_response(response_id: str):
+        stored = store.get(response_id)
+        if stored is None:
+            raise not_found(f"Response with id '{response_id}' not found.", "response_id")
+        return JSONResponse(stored)
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
+    async def delete_response(response_id: str) -> DeletedResponse:
+        if not store.delete(response_id):
+            raise not_found(f"Response with id '{response_id}' not found.", "response_id")
+        return DeletedResponse(id=response_id)
+
+    @app.get(
+        "/v1/responses/{response_id}/input_items",
+        response_model=InputItemList,
+        responses=_ERRORS,
+    )
+    async def list_input_items(
+        response_id: str,
+        after: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> InputItemList:
+        items = store.input_items(response_id)
+        if items is None:
+            raise not_found(f"Response with id '{response_id}' not found.", "response_id")
+        if order == "desc":
+            items = items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise not_found(f"Item with id '{after}' not found.", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return InputItemList(
+            data=page,
+            first_id=page[0]["id"] if page else None,
+            last_id=page[-1]["id"] if page else None,
+            has_more=len(items) > limit,
+        )
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model])
+
+    @app.get("/v1/models/{model_id}", response_model=ModelObject, responses=_ERRORS)
+    async def get_model(model_id: str) -> ModelObject:
+        if model_id != model.id:
+            raise not_found(f"The model '{model_id}' does not exist.", "model_id")
+        return model
+
+    @app.get("/health")
+    @app.get("/healthz")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+async def _sse(
+    prepared: Prepared, engine: EngineClient, store: ResponseStore
+) -> AsyncIterator[str]:
+    """``event: <type>`` + ``data: <json>`` + a blank line per event; no [DONE]."""
+    async for event in run(prepared, engine, store):
+        yield f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+__all__ = ["create_app"]

@@ -1,0 +1,157 @@
+"""Responses API input <-> the Harmony conversation (harmony.conversation dataclasses).
+
+Also the JSON forms: internal items as stored for ``previous_response_id``, and input items
+as listed by ``GET /v1/responses/{id}/input_items`` (shaped like the SDK's ResponseItem).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from gptoss_serve.harmony.conversation import (
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Message,
+    Reasoning,
+)
+from gptoss_serve.server.errors import APIError, bad_request
+from gptoss_serve.server.objects import new_id
+from gptoss_serve.server.protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    InputMessage,
+    ItemReference,
+    ReasoningItem,
+)
+
+_KINDS = {
+    "message": Message,
+    "function_call": FunctionCall,
+    "function_call_output": FunctionCallOutput,
+    "reasoning": Reasoning,
+}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+_INPUT_ITEM: TypeAdapter = TypeAdapter(InputItem)
+
+
+def item_to_json(item: Item) -> dict[str, Any]:
+    return {"kind": _KIND_OF[type(item)], **asdict(item)}
+
+
+def item_from_json(data: dict[str, Any]) -> Item:
+    fields = dict(data)
+    return _KINDS[fields.pop("kind")](**fields)
+
+
+def call_names(items: list[Item]) -> dict[str, str]:
+    """call_id -> function name, for every call in the conversation so far."""
+    return {item.call_id: item.name for item in items if isinstance(item, FunctionCall)}
+
+
+class InputConverter:
+    """Converts one request's input items, in order, checking references as it goes."""
+
+    def __init__(self, history: list[Item], lookup_item) -> None:
+        self.items: list[Item] = []  # new conversation items from this request
+        self.listed: list[dict[str, Any]] = []  # input_items as the API lists them
+        self._calls = call_names(history)
+        self._lookup_item = lookup_item  # item id -> stored output/input item JSON, or None
+
+    def add_text(self, text: str) -> None:
+        self._add_message(InputMessage(role="user", content=text), "input")
+
+    def add(self, raw: Any, param: str) -> None:
+        if isinstance(raw, ItemReference):
+            stored = self._lookup_item(raw.id)
+            if stored is None:
+                raise APIError(404, f"Item with id '{raw.id}' not found.", param=f"{param}.id",
+                               code="not_found")  # fmt: skip
+            raw = _parse_stored_item(stored)
+        if isinstance(raw, InputMessage):
+            self._add_message(raw, param)
+        elif isinstance(raw, FunctionCallItem):
+            self._calls[raw.call_id] = raw.name
+            self.items.append(FunctionCall(raw.call_id, raw.name, raw.arguments))
+            self.listed.append(_listed(raw, "fc"))
+        elif isinstance(raw, FunctionCallOutputItem):
+            name = self._calls.get(raw.call_id)
+            if name is None:
+                raise bad_request(
+                    f"No tool call found for function call output with call_id {raw.call_id}.",
+                    f"{param}.call_id",
+                )
+            self.items.append(FunctionCallOutput(raw.call_id, name, raw.text()))
+            self.listed.append(_listed(raw, "fco"))
+        elif isinstance(raw, ReasoningItem):
+            self.items.append(Reasoning(raw.text()))
+            self.listed.append(_listed(raw, "rs"))
+
+    def _add_message(self, raw: InputMessage, param: str) -> None:
+        if raw.role != "assistant" and not isinstance(raw.content, str):
+            for index, part in enumerate(raw.content):
+                if part.type != "input_text":
+                    raise bad_request(
+                        f"Invalid content type '{part.type}' for a {raw.role} message: "
+                        "expected 'input_text'.",
+                        f"{param}.content[{index}].type",
+                    )
+        channel = None
+        if raw.role == "assistant":
+            channel = "commentary" if raw.phase == "commentary" else "final"
+        self.items.append(Message(raw.role, raw.text(), channel))
+        self.listed.append(_listed_message(raw))
+
+
+def _parse_stored_item(stored: dict[str, Any]) -> Any:
+    """A stored item (output of an earlier response, or its input) as a request item."""
+    data = {k: v for k, v in stored.items() if k not in ("status",)}
+    if data.get("type") == "message":
+        data["content"] = [
+            {"type": part["type"], "text": part["text"]} for part in data.get("content", [])
+        ]
+    return _INPUT_ITEM.validate_python(data)
+
+
+def _listed(raw: Any, prefix: str) -> dict[str, Any]:
+    data = raw.model_dump(mode="json", exclude_none=True)
+    data["id"] = raw.id or new_id(prefix)
+    data["status"] = raw.status or "completed"
+    return data
+
+
+def _listed_message(raw: InputMessage) -> dict[str, Any]:
+    if isinstance(raw.content, str):
+        kind = "output_text" if raw.role == "assistant" else "input_text"
+        content = [{"type": kind, "text": raw.content}]
+    else:
+        content = [part.model_dump(mode="json", exclude_none=True) for part in raw.content]
+    if raw.role == "assistant":
+        for part in content:
+            if part["type"] == "output_text":
+                part.setdefault("annotations", [])
+    return {
+        "id": raw.id or new_id("msg"),
+        "type": "message",
+        "role": raw.role,
+        "content": content,
+        "status": raw.status or "completed",
+    }
+
+
+def output_to_items(output: list[dict[str, Any]], channels: dict[str, str | None]) -> list[Item]:
+    """The output of a response as conversation items (to continue from it later)."""
+    items: list[Item] = []
+    for entry in output:
+        if entry["type"] == "reasoning":
+            items.append(Reasoning("".join(part["text"] for part in entry["content"])))
+        elif entry["type"] == "message":
+            text = "".join(part["text"] for part in entry["content"] if "text" in part)
+            items.append(Message("assistant", text, channels.get(entry["id"]) or "final"))
+        elif entry["type"] == "function_call":
+            items.append(FunctionCall(entry["call_id"], entry["name"], entry["arguments"]))
+    return items

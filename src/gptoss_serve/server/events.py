@@ -1,0 +1,210 @@
+"""Streaming events as functions of (state, parser event) -> events, with no I/O.
+
+The state is passed explicitly and these functions are its only writers. They produce the
+exact official sequence: ``sequence_number`` from 0 by 1; ``output_index`` dense and the
+same in an item's added/delta/done events; ``content_index`` 0 for the one part per item;
+the same ``id``/``call_id`` in every event and in the final object.
+
+How Harmony messages map to output items:
+  analysis (or an unknown channel)       -> reasoning item
+  final, no channel, commentary without a recipient (a preamble) -> message item
+  any message with a recipient (``functions.name``)              -> function_call item
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptoss_serve.harmony.conversation import ContentDelta, MessageDone, MessageStarted, ParseEvent
+from gptoss_serve.server.objects import (
+    FunctionCallOutputObject,
+    MessageOutput,
+    OutputTextPart,
+    ReasoningOutput,
+    ReasoningTextPart,
+    ResponseObject,
+    new_id,
+)
+
+Event = dict[str, Any]
+FUNCTIONS_PREFIX = "functions."
+
+
+@dataclass
+class OpenItem:
+    kind: str  # "reasoning" | "message" | "function_call"
+    output_index: int
+    item_id: str
+    channel: str | None
+    text: str = ""
+    name: str = ""
+    call_id: str = ""
+
+
+@dataclass
+class StreamState:
+    response: ResponseObject
+    sequence_number: int = 0
+    current: OpenItem | None = None
+    # Harmony channel of each output item id, kept for replaying the conversation later.
+    channels: dict[str, str | None] = field(default_factory=dict)
+
+    def event(self, event_type: str, **fields: Any) -> Event:
+        event = {"type": event_type, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return event
+
+
+def item_kind(channel: str | None, recipient: str | None) -> str:
+    if recipient and recipient != "assistant":
+        return "function_call"
+    if channel in (None, "final", "commentary"):
+        return "message"
+    return "reasoning"
+
+
+def start(state: StreamState) -> list[Event]:
+    """``response.created`` then ``response.in_progress``, both with the in-progress object."""
+    snapshot = state.response.dump()
+    return [
+        state.event("response.created", response=snapshot),
+        state.event("response.in_progress", response=snapshot),
+    ]
+
+
+def on_parse_event(state: StreamState, parsed: ParseEvent) -> list[Event]:
+    if isinstance(parsed, MessageStarted):
+        return _open(state, parsed)
+    if isinstance(parsed, ContentDelta):
+        return _delta(state, parsed.text)
+    if isinstance(parsed, MessageDone):
+        return _close(state, "completed")
+    raise TypeError(f"unknown parse event {parsed!r}")
+
+
+def _open(state: StreamState, started: MessageStarted) -> list[Event]:
+    events = _close(state, "incomplete") if state.current else []
+    kind = item_kind(started.channel, started.recipient)
+    prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+    item = OpenItem(kind, len(state.response.output), new_id(prefix), started.channel)
+    if kind == "function_call":
+        recipient = started.recipient or ""
+        item.name = recipient.removeprefix(FUNCTIONS_PREFIX)
+        item.call_id = new_id("call")
+    state.current = item
+    state.channels[item.item_id] = started.channel
+    state.response.output.append(_item_object(item, "in_progress", with_part=False))
+    events = [
+        *events,
+        state.event(
+            "response.output_item.added",
+            output_index=item.output_index,
+            item=_item_object(item, "in_progress", with_part=False).model_dump(mode="json"),
+        ),
+    ]
+    if kind != "function_call":
+        events.append(
+            state.event(
+                "response.content_part.added", **_where(item), part=_part(item).model_dump()
+            )
+        )
+    return events
+
+
+def _delta(state: StreamState, text: str) -> list[Event]:
+    item = state.current
+    if item is None or not text:
+        return []
+    item.text += text
+    if item.kind == "function_call":
+        return [
+            state.event(
+                "response.function_call_arguments.delta",
+                item_id=item.item_id,
+                output_index=item.output_index,
+                delta=text,
+            )
+        ]
+    if item.kind == "reasoning":
+        return [state.event("response.reasoning_text.delta", **_where(item), delta=text)]
+    return [state.event("response.output_text.delta", **_where(item), delta=text, logprobs=[])]
+
+
+def _close(state: StreamState, status: str) -> list[Event]:
+    item = state.current
+    if item is None:
+        return []
+    state.current = None
+    final = _item_object(item, status, with_part=True)
+    state.response.output[item.output_index] = final
+    events: list[Event] = []
+    if item.kind == "function_call":
+        events.append(
+            state.event(
+                "response.function_call_arguments.done",
+                item_id=item.item_id,
+                output_index=item.output_index,
+                name=item.name,
+                arguments=item.text,
+            )
+        )
+    else:
+        text_done = (
+            state.event("response.reasoning_text.done", **_where(item), text=item.text)
+            if item.kind == "reasoning"
+            else state.event(
+                "response.output_text.done", **_where(item), text=item.text, logprobs=[]
+            )
+        )
+        part = _part(item).model_dump()
+        events += [text_done, state.event("response.content_part.done", **_where(item), part=part)]
+    events.append(
+        state.event(
+            "response.output_item.done",
+            output_index=item.output_index,
+            item=final.model_dump(mode="json"),
+        )
+    )
+    return events
+
+
+def finish(state: StreamState) -> list[Event]:
+    """Close an item cut off mid-way (incomplete), then the one terminal event.
+
+    The caller has set the response's status, usage and error/incomplete details.
+    """
+    events = _close(state, "incomplete")
+    terminal = {
+        "completed": "response.completed",
+        "incomplete": "response.incomplete",
+        "failed": "response.failed",
+    }[state.response.status]
+    return [*events, state.event(terminal, response=state.response.dump())]
+
+
+def _where(item: OpenItem) -> dict[str, Any]:
+    return {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
+
+
+def _part(item: OpenItem) -> OutputTextPart | ReasoningTextPart:
+    if item.kind == "reasoning":
+        return ReasoningTextPart(text=item.text)
+    return OutputTextPart(text=item.text)
+
+
+def _item_object(item: OpenItem, status: str, *, with_part: bool):
+    """The item as it appears in output_item.added (no parts yet) or done / the final object."""
+    if item.kind == "function_call":
+        return FunctionCallOutputObject(
+            id=item.item_id,
+            call_id=item.call_id,
+            name=item.name,
+            arguments=item.text if with_part else "",
+            status=status,
+        )
+    if item.kind == "reasoning":
+        content = [ReasoningTextPart(text=item.text)] if with_part else []
+        return ReasoningOutput(id=item.item_id, content=content, status=status)
+    content = [OutputTextPart(text=item.text)] if with_part else []
+    return MessageOutput(id=item.item_id, content=content, status=status)

@@ -1,0 +1,163 @@
+"""Response-side objects (pydantic), shaped exactly like the official API's.
+
+They are the ``response_model`` of the routes, so the published OpenAPI schema is accurate,
+and the tests validate every one against the ``openai`` SDK's own types.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from gptoss_serve.server.protocol import (
+    FunctionToolParam,
+    ReasoningConfig,
+    TextConfig,
+    ToolChoice,
+)
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+def new_id(prefix: str) -> str:
+    """``resp_``, ``msg_``, ``rs_``, ``fc_``, ``call_`` ids: prefix + 48 hex digits."""
+    return f"{prefix}_{secrets.token_hex(24)}"
+
+
+class OutputTextPart(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningTextPart] = Field(default_factory=list)
+    status: ItemStatus = "completed"
+
+
+class MessageOutput(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: ItemStatus = "completed"
+    content: list[OutputTextPart] = Field(default_factory=list)
+
+
+class FunctionCallOutputObject(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus = "completed"
+
+
+OutputItem = Annotated[
+    ReasoningOutput | MessageOutput | FunctionCallOutputObject, Field(discriminator="type")
+]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress", "queued", "cancelled"]
+    background: bool = False
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
+    service_tier: str | None = None
+    store: bool = True
+    temperature: float | None = None
+    text: TextConfig = Field(default_factory=TextConfig)
+    tool_choice: ToolChoice = "auto"
+    tools: list[FunctionToolParam] = Field(default_factory=list)
+    top_logprobs: int | None = None
+    top_p: float | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    usage: Usage | None = None
+    user: str | None = None
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON object sent to clients (``schema`` keeps its wire name)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
+
+
+class InputItemList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gptoss-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,231 @@
+"""Request models of ``POST /v1/responses`` (pydantic), as the official API accepts them.
+
+Validation failures become 400s whose ``param`` is the JSON path of the field (see
+errors.py), so every model here is strict: unknown fields, unknown item/tool/part types and
+out-of-range values are rejected, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- content parts ----------------------------------------------------------------------------
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] | None = None
+
+
+class Refusal(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]
+
+
+# -- input items ------------------------------------------------------------------------------
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    id: str | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    id: str | None = None
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    id: str | None = None
+    call_id: str = Field(min_length=1)
+    output: str | list[InputText]
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(_Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or ())
+
+
+class ItemReference(_Strict):
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1)
+
+
+def _item_type(value: Any) -> str | None:
+    # Messages may omit "type" (the SDK's EasyInputMessage); everything else names its type.
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[ItemReference, Tag("item_reference")],
+    Discriminator(_item_type),
+]
+
+
+# -- tools, tool choice, text format ----------------------------------------------------------
+
+
+class FunctionToolParam(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class AllowedToolRef(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ToolChoiceAllowed(_Strict):
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[AllowedToolRef] = Field(min_length=1)
+
+
+ToolChoice = (
+    Literal["none", "auto", "required"]
+    | Annotated[ToolChoiceFunction | ToolChoiceAllowed, Field(discriminator="type")]
+)
+
+
+class TextFormatText(_Strict):
+    type: Literal["text"]
+
+
+class TextFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class TextFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class TextConfig(_Strict):
+    format: Annotated[
+        TextFormatText | TextFormatJsonSchema | TextFormatJsonObject, Field(discriminator="type")
+    ] = Field(default_factory=lambda: TextFormatText(type="text"))
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(_Strict):
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+# -- the request ------------------------------------------------------------------------------
+
+
+class CreateResponseRequest(_Strict):
+    model: str = Field(min_length=1)
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionToolParam] = Field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig = Field(default_factory=TextConfig)
+    reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    user: str | None = None
+    # Accepted and echoed or ignored, as harmless hints: they change nothing on one server.
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        # The official limits: 16 pairs, keys up to 64 characters, values up to 512.
+        if value is None:
+            return value
+        if len(value) > 16:
+            raise ValueError("at most 16 key-value pairs")
+        for key, item in value.items():
+            if len(key) > 64:
+                raise ValueError(f"key {key[:20]!r}... is longer than 64 characters")
+            if len(item) > 512:
+                raise ValueError(f"value of {key!r} is longer than 512 characters")
+        return value

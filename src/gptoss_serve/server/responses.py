@@ -1,0 +1,265 @@
+"""One response's orchestration: validate, render, generate, parse, emit events, store.
+
+``prepare`` turns a request into everything generation needs or raises a 4xx APIError;
+``run`` drives the engine and yields streaming events, leaving the final object in its state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptoss_serve.config import SamplingParams, ServerConfig
+from gptoss_serve.engine.client import EngineClient, EngineError
+from gptoss_serve.harmony import adapter
+from gptoss_serve.harmony.conversation import (
+    FunctionTool,
+    Item,
+    RenderRequest,
+    ResponseFormat,
+)
+from gptoss_serve.harmony.parse import HarmonyStreamParser
+from gptoss_serve.harmony.render import render_prompt
+from gptoss_serve.server import events
+from gptoss_serve.server.conversation import (
+    InputConverter,
+    item_from_json,
+    item_to_json,
+    output_to_items,
+)
+from gptoss_serve.server.errors import APIError, bad_request
+from gptoss_serve.server.objects import (
+    IncompleteDetails,
+    ResponseError,
+    ResponseObject,
+    Usage,
+    new_id,
+)
+from gptoss_serve.server.protocol import (
+    CreateResponseRequest,
+    TextFormatJsonSchema,
+    ToolChoiceAllowed,
+    ToolChoiceFunction,
+)
+from gptoss_serve.server.store import ResponseStore
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_INCLUDES: frozenset[str] = frozenset()  # logprobs and encrypted reasoning: not yet
+
+
+@dataclass
+class Prepared:
+    request: CreateResponseRequest
+    response: ResponseObject
+    prompt_ids: list[int]
+    conversation: list[Item]  # previous + this request's input (what a follow-up continues)
+    input_items: list[dict[str, Any]]
+    params: SamplingParams
+    state: events.StreamState = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = events.StreamState(self.response)
+
+
+def prepare(
+    request: CreateResponseRequest, engine: EngineClient, store: ResponseStore, config: ServerConfig
+) -> Prepared:
+    """Check everything a client could get wrong; build the prompt. Raises APIError."""
+    info = engine.info
+    if request.model != info.model_name:
+        raise APIError(
+            404, f"The model '{request.model}' does not exist; this server serves "
+            f"'{info.model_name}'.", param="model", code="model_not_found",
+        )  # fmt: skip
+    _check_unsupported(request)
+    tools = _check_tools(request)
+    history = _history(request, store)
+    converter = InputConverter(history, store.item)
+    if isinstance(request.input, str):
+        converter.add_text(request.input)
+    else:
+        for index, raw in enumerate(request.input):
+            converter.add(raw, f"input[{index}]")
+    conversation = history + converter.items
+    if not conversation:
+        raise bad_request("The input must contain at least one item.", "input")
+    render = RenderRequest(
+        items=tuple(conversation),
+        instructions=request.instructions,
+        reasoning_effort=request.reasoning.effort or config.reasoning_effort,
+        tools=tools,
+        response_format=_response_format(request),
+    )
+    prompt_ids, render = _fit_context(render, request, info.max_context_tokens)
+    room = info.max_context_tokens - len(prompt_ids)
+    max_tokens = min(request.max_output_tokens or config.default_max_output_tokens or room, room)
+    temperature = 1.0 if request.temperature is None else request.temperature
+    top_p = 1.0 if request.top_p is None else request.top_p
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0 if top_p == 0 else temperature,  # top_p 0 keeps only the top token
+        top_p=top_p or 1.0,
+        stop_token_ids=adapter.assistant_stop_token_ids(),
+    )
+    response = ResponseObject(
+        id=new_id("resp"),
+        created_at=int(time.time()),
+        status="in_progress",
+        instructions=request.instructions,
+        max_output_tokens=request.max_output_tokens,
+        metadata=request.metadata or {},
+        model=info.model_name,
+        parallel_tool_calls=request.parallel_tool_calls,
+        previous_response_id=request.previous_response_id,
+        reasoning=request.reasoning.model_copy(update={"effort": render.reasoning_effort}),
+        service_tier=request.service_tier or "default",
+        store=request.store,
+        temperature=temperature,
+        text=request.text,
+        tool_choice=request.tool_choice,
+        tools=request.tools,
+        top_logprobs=request.top_logprobs or 0,
+        top_p=top_p,
+        truncation=request.truncation,
+        user=request.user,
+    )
+    return Prepared(request, response, prompt_ids, list(render.items), converter.listed, params)
+
+
+def _check_unsupported(request: CreateResponseRequest) -> None:
+    if request.background:
+        raise bad_request("background responses are not supported by this server.", "background",
+                          "unsupported_parameter")  # fmt: skip
+    if request.top_logprobs:
+        raise bad_request("top_logprobs is not supported by this server yet.", "top_logprobs",
+                          "unsupported_parameter")  # fmt: skip
+    for index, value in enumerate(request.include or ()):
+        if value not in SUPPORTED_INCLUDES:
+            raise bad_request(f"include value '{value}' is not supported by this server.",
+                              f"include[{index}]", "unsupported_parameter")  # fmt: skip
+
+
+def _check_tools(request: CreateResponseRequest) -> tuple[FunctionTool, ...]:
+    names: dict[str, int] = {}
+    for index, tool in enumerate(request.tools):
+        if tool.name in names:
+            raise bad_request(f"Duplicate tool name '{tool.name}'.", f"tools[{index}].name")
+        names[tool.name] = index
+    choice = request.tool_choice
+    needs_tools = choice == "required" or isinstance(choice, ToolChoiceFunction | ToolChoiceAllowed)
+    if needs_tools and not request.tools:
+        raise bad_request("tool_choice requires at least one tool in 'tools'.", "tool_choice")
+    if isinstance(choice, ToolChoiceFunction) and choice.name not in names:
+        raise bad_request(f"Tool '{choice.name}' is not in 'tools'.", "tool_choice.name")
+    if isinstance(choice, ToolChoiceAllowed):
+        for index, ref in enumerate(choice.tools):
+            if ref.name not in names:
+                raise bad_request(f"Tool '{ref.name}' is not in 'tools'.",
+                                  f"tool_choice.tools[{index}].name")  # fmt: skip
+    return tuple(
+        FunctionTool(t.name, t.description, t.parameters, bool(t.strict)) for t in request.tools
+    )
+
+
+def _history(request: CreateResponseRequest, store: ResponseStore) -> list[Item]:
+    if request.previous_response_id is None:
+        return []
+    stored = store.conversation(request.previous_response_id)
+    if stored is None:
+        raise APIError(
+            404, f"Previous response with id '{request.previous_response_id}' not found.",
+            param="previous_response_id", code="previous_response_not_found",
+        )  # fmt: skip
+    return [item_from_json(entry) for entry in stored]
+
+
+def _response_format(request: CreateResponseRequest) -> ResponseFormat | None:
+    fmt = request.text.format
+    if isinstance(fmt, TextFormatJsonSchema):
+        return ResponseFormat(fmt.name, fmt.schema_, fmt.description, bool(fmt.strict))
+    return None
+
+
+def _fit_context(
+    render: RenderRequest, request: CreateResponseRequest, context: int
+) -> tuple[list[int], RenderRequest]:
+    """Render; with truncation 'auto' drop the oldest items until a token of output fits."""
+    while True:
+        prompt_ids = render_prompt(render)
+        if len(prompt_ids) < context:
+            return prompt_ids, render
+        if request.truncation != "auto" or len(render.items) <= 1:
+            raise bad_request(
+                f"The input ({len(prompt_ids)} tokens) exceeds the context window of this "
+                f"model ({context} tokens).", "input", "context_length_exceeded",
+            )  # fmt: skip
+        render = RenderRequest(**{**render.__dict__, "items": render.items[1:]})
+
+
+async def run(
+    prepared: Prepared, engine: EngineClient, store: ResponseStore
+) -> AsyncIterator[dict]:
+    """Generate and yield the events; the final object is ``prepared.response``."""
+    state = prepared.state
+    for event in events.start(state):
+        yield event
+    parser = HarmonyStreamParser()
+    num_output = num_reasoning = 0
+    last_token = None
+    try:
+        async for token in engine.generate(
+            prepared.response.id, prepared.prompt_ids, prepared.params
+        ):
+            num_output += 1
+            last_token = token
+            # A token is reasoning if it belongs to an analysis message: its header, its text
+            # or the <|end|> that closes it (after which the channel reads None again).
+            was_analysis = parser.current_channel == "analysis"
+            parsed = parser.feed(token)
+            if was_analysis or parser.current_channel == "analysis":
+                num_reasoning += 1
+            for item in parsed:
+                for event in events.on_parse_event(state, item):
+                    yield event
+        for item in parser.finish():
+            for event in events.on_parse_event(state, item):
+                yield event
+        _conclude(prepared, last_token)
+    except EngineError as error:
+        logger.error("response %s failed: %s", prepared.response.id, error)
+        prepared.response.status = "failed"
+        prepared.response.error = ResponseError(code="server_error", message=str(error))
+    if parser.framing_error:
+        logger.warning("response %s: model broke Harmony framing: %s",
+                       prepared.response.id, parser.framing_error)  # fmt: skip
+    prepared.response.usage = Usage(
+        input_tokens=len(prepared.prompt_ids),
+        output_tokens=num_output,
+        output_tokens_details={"reasoning_tokens": num_reasoning},
+        total_tokens=len(prepared.prompt_ids) + num_output,
+    )
+    final_events = events.finish(state)
+    _store(prepared, store)
+    for event in final_events:
+        yield event
+
+
+def _conclude(prepared: Prepared, last_token: int | None) -> None:
+    if last_token is not None and last_token in prepared.params.stop_token_ids:
+        prepared.response.status = "completed"
+    else:  # ran out of tokens (max_output_tokens or the context)
+        prepared.response.status = "incomplete"
+        prepared.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+
+
+def _store(prepared: Prepared, store: ResponseStore) -> None:
+    if not prepared.response.store:
+        return
+    response = prepared.response.dump()
+    output = output_to_items(response["output"], prepared.state.channels)
+    conversation = [item_to_json(item) for item in [*prepared.conversation, *output]]
+    store.put(response, prepared.input_items, conversation)
