@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gptoss_serve.checkpoint.demo import demo_checkpoint_dir
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,3 +60,9 @@ def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 def tiny_dir(tmp_path: Path) -> Path:
     """A fresh small single-file checkpoint a test may damage."""
     return make_checkpoint(tmp_path / "tiny", "tiny", seed=5, vocab=256, layers=2)
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo checkpoint (real vocabulary), written once per session."""
+    return demo_checkpoint_dir(tmp_path_factory.mktemp("demo-cache"))

@@ -12,10 +12,8 @@ from gptoss_serve.model import load_model
 
 
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = tmp_path_factory.mktemp("xdg-cache")
-    demo_checkpoint_dir(cache)  # written once for the session
-    return cache
+def demo_cache(demo_dir: Path) -> Path:
+    return demo_dir.parents[1]  # <cache>/gptoss-serve/demo-v1
 
 
 @pytest.fixture()

@@ -143,7 +143,7 @@ def _listed_message(raw: InputMessage) -> dict[str, Any]:
     }
 
 
-def output_to_items(output: list[dict[str, Any]], channels: dict[str, str | None]) -> list[Item]:
+def output_to_items(output: list[dict[str, Any]]) -> list[Item]:
     """The output of a response as conversation items (to continue from it later)."""
     items: list[Item] = []
     for entry in output:
@@ -151,7 +151,8 @@ def output_to_items(output: list[dict[str, Any]], channels: dict[str, str | None
             items.append(Reasoning("".join(part["text"] for part in entry["content"])))
         elif entry["type"] == "message":
             text = "".join(part["text"] for part in entry["content"] if "text" in part)
-            items.append(Message("assistant", text, channels.get(entry["id"]) or "final"))
+            channel = "commentary" if entry.get("phase") == "commentary" else "final"
+            items.append(Message("assistant", text, channel))
         elif entry["type"] == "function_call":
             items.append(FunctionCall(entry["call_id"], entry["name"], entry["arguments"]))
     return items

@@ -13,7 +13,7 @@ How Harmony messages map to output items:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gptoss_serve.harmony.conversation import ContentDelta, MessageDone, MessageStarted, ParseEvent
@@ -47,8 +47,6 @@ class StreamState:
     response: ResponseObject
     sequence_number: int = 0
     current: OpenItem | None = None
-    # Harmony channel of each output item id, kept for replaying the conversation later.
-    channels: dict[str, str | None] = field(default_factory=dict)
 
     def event(self, event_type: str, **fields: Any) -> Event:
         event = {"type": event_type, "sequence_number": self.sequence_number, **fields}
@@ -93,7 +91,6 @@ def _open(state: StreamState, started: MessageStarted) -> list[Event]:
         item.name = recipient.removeprefix(FUNCTIONS_PREFIX)
         item.call_id = new_id("call")
     state.current = item
-    state.channels[item.item_id] = started.channel
     state.response.output.append(_item_object(item, "in_progress", with_part=False))
     events = [
         *events,
@@ -207,4 +204,5 @@ def _item_object(item: OpenItem, status: str, *, with_part: bool):
         content = [ReasoningTextPart(text=item.text)] if with_part else []
         return ReasoningOutput(id=item.item_id, content=content, status=status)
     content = [OutputTextPart(text=item.text)] if with_part else []
-    return MessageOutput(id=item.item_id, content=content, status=status)
+    phase = "commentary" if item.channel == "commentary" else "final_answer"
+    return MessageOutput(id=item.item_id, content=content, status=status, phase=phase)

@@ -52,6 +52,9 @@ class MessageOutput(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: ItemStatus = "completed"
     content: list[OutputTextPart] = Field(default_factory=list)
+    # A Harmony commentary message without recipient is a preamble ("commentary"); the
+    # answer is "final_answer". Clients resend it, so a follow-up replays the right channel.
+    phase: Literal["commentary", "final_answer"] | None = None
 
 
 class FunctionCallOutputObject(BaseModel):
@@ -69,7 +72,8 @@ OutputItem = Annotated[
 
 
 class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (none on CPU)
+    cache_write_tokens: int = 0  # prompt tokens written to a prompt cache (none kept yet)
 
 
 class OutputTokensDetails(BaseModel):

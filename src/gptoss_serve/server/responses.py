@@ -225,9 +225,7 @@ async def run(
             for item in parsed:
                 for event in events.on_parse_event(state, item):
                     yield event
-        for item in parser.finish():
-            for event in events.on_parse_event(state, item):
-                yield event
+        # A message still open here was cut off: events.finish closes it as incomplete.
         _conclude(prepared, last_token)
     except EngineError as error:
         logger.error("response %s failed: %s", prepared.response.id, error)
@@ -260,6 +258,6 @@ def _store(prepared: Prepared, store: ResponseStore) -> None:
     if not prepared.response.store:
         return
     response = prepared.response.dump()
-    output = output_to_items(response["output"], prepared.state.channels)
+    output = output_to_items(response["output"])
     conversation = [item_to_json(item) for item in [*prepared.conversation, *output]]
     store.put(response, prepared.input_items, conversation)

@@ -1,0 +1,124 @@
+"""Test-only engines and a loopback server runner for the API tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import uvicorn
+
+from gptoss_serve.config import SamplingParams
+from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.harmony import adapter
+
+# Scripted model outputs (what follows the prompt's <|start|>assistant), one per case.
+REASONING_THEN_FINAL = (
+    "<|channel|>analysis<|message|>The user greets. Reply.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello there, friend! 👋<|return|>"
+)
+PREAMBLE_AND_CALL = (
+    "<|channel|>analysis<|message|>Need weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Oslo"}<|call|>'
+)
+RECIPIENT_IN_ROLE = (
+    "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.get_weather"
+    '<|channel|>commentary <|constrain|>json<|message|>{"city": "Rome"}<|call|>'
+)
+REFUSAL_NO_CHANNEL = "<|message|>I can't help with that.<|end|>"
+STRAY_AFTER_MESSAGE = (
+    "<|channel|>analysis<|message|>Hmm.<|end|>stray words<|start|>assistant<|channel|>final"
+    "<|message|>Done.<|return|>"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    }
+]
+
+
+def harmony_tokens(text: str) -> list[int]:
+    """Completion text with special tokens spelled out -> token ids."""
+    return adapter.encoding().encode(text, allowed_special="all")
+
+
+class ScriptedEngine:
+    """Replays queued token scripts, one per request (the last one repeats when the queue
+    runs dry). Honours max_tokens and stop tokens like a real engine. A script may end with
+    an exception instance, raised as EngineError after the tokens before it."""
+
+    def __init__(self, scripts: Sequence[list] = (), model_name: str = "demo") -> None:
+        self.info = EngineInfo(model_name, 131072, 201088, created_at=1700000000)
+        self.scripts: deque[list] = deque(scripts)
+        self.last_script: list = []
+        self.prompts: list[list[int]] = []
+        self.params: list[SamplingParams] = []
+        self.aborted: list[str] = []
+        self.delay = 0.0  # seconds between tokens (to test disconnects)
+
+    def queue(self, *scripts: list) -> None:
+        self.scripts.extend(scripts)
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[int]:
+        self.prompts.append(list(prompt_ids))
+        self.params.append(params)
+        script = self.scripts.popleft() if self.scripts else self.last_script
+        self.last_script = script
+        finished = False
+        try:
+            for count, token in enumerate(script, start=1):
+                if isinstance(token, BaseException):
+                    raise EngineError(str(token)) from token
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                yield token
+                if token in params.stop_token_ids or count >= params.max_tokens:
+                    break
+            finished = True
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
+
+    async def close(self) -> None:
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(app) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a loopback port in a thread; yield its base URL."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
