@@ -432,12 +432,6 @@ def test_store_file_persists_across_instances(tmp_path: Path) -> None:
         second.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: items.id is the primary key, so an item referenced again by a later "
-    "response is re-homed to it (INSERT OR REPLACE), and deleting the later response "
-    "deletes the item of the earlier one",
-)
 def test_deleting_a_referencing_response_keeps_the_original_item(store: ResponseStore) -> None:
     original = message("msg_out", "Hello!", "output_text")
     store.put(stored_response("resp_1", [original]), [], [])
@@ -447,11 +441,6 @@ def test_deleting_a_referencing_response_keeps_the_original_item(store: Response
     assert store.item("msg_out") == original
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: deleting a response that item_reference'd an earlier output item makes "
-    "that item unreferenceable although its own response still exists",
-)
 def test_item_reference_survives_deleting_a_later_response(client: TestClient) -> None:
     first = create(client, input="Hi")
     message_id = first["output"][-1]["id"]

@@ -55,19 +55,31 @@ def not_found(message: str, param: str | None = None) -> APIError:
     return APIError(404, message, param=param, code="not_found")
 
 
-def json_path(body: Any, loc: tuple) -> str | None:
-    """pydantic loc -> ``a.b[0].c``, keeping only the parts that index into ``body``."""
+_UNION_TAG_ERRORS = ("union_tag_invalid", "union_tag_not_found")
+
+
+def json_path(body: Any, loc: tuple, kind: str = "") -> str | None:
+    """pydantic loc -> ``a.b[0].c``, keeping only the parts that index into ``body``.
+
+    A key absent from the body is kept only when it is the missing one; a bad
+    discriminator points at the object's ``type``.
+    """
     parts: list[str | int] = []
     node = body
     for position, key in enumerate(loc):
         is_last = position == len(loc) - 1
-        if isinstance(node, dict) and isinstance(key, str) and (key in node or is_last):
-            parts.append(key)
-            node = node.get(key)
+        if isinstance(node, dict) and isinstance(key, str):
+            if key in node:
+                parts.append(key)
+                node = node[key]
+            elif is_last and kind == "missing":
+                parts.append(key)
         elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
             parts.append(key)
             node = node[key]
         # anything else is a union-branch label such as 'str' or 'list[...]': skip it
+    if kind in _UNION_TAG_ERRORS and isinstance(node, dict):
+        parts.append("type")
     text = ""
     for part in parts:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
@@ -79,29 +91,41 @@ _CODES = {
     "extra_forbidden": "unknown_parameter",
     "json_invalid": "invalid_json",
 }
+_MESSAGES = {
+    "missing": "Missing required parameter: '{param}'.",
+    "extra_forbidden": "Unknown parameter: '{param}'.",
+    "union_tag_invalid": "Invalid value for '{param}': unsupported type.",
+}
+
+
+def _param(body: Any, error: dict[str, Any]) -> str | None:
+    where, *rest = error["loc"]
+    if where != "body":  # query or path parameters
+        return ".".join(str(part) for part in rest) or None
+    return json_path(body, tuple(rest), error.get("type", ""))
+
+
+def _rank(body: Any, error: dict[str, Any]) -> tuple[bool, int]:
+    # The most specific problem: a wrong `type` first (it explains the errors of every branch
+    # of a union), then the one whose path reaches deepest into the request.
+    param = _param(body, error) or ""
+    return param.endswith(".type") or param == "type", len(param)
 
 
 def from_validation_error(error: RequestValidationError, body: Any) -> APIError:
-    errors = [e for e in error.errors() if e.get("loc", ("body",))[:1] == ("body",)] or list(
-        error.errors()
-    )
-    # The most specific problem: the one whose path reaches deepest into the body.
-    ranked = sorted(errors, key=lambda e: len(json_path(body, tuple(e["loc"][1:])) or ""))
-    first = ranked[-1]
+    errors = list(error.errors())
+    first = max(errors, key=lambda e: _rank(body, e))
     kind = first.get("type", "")
-    if kind == "json_invalid" or not isinstance(body, dict):
-        detail = first.get("ctx", {}).get("error", first.get("msg", ""))
-        if kind != "json_invalid":
-            detail = "the request body must be a JSON object"
-        return bad_request(f"We could not parse the JSON body of your request: {detail}", None,
-                           "invalid_json")  # fmt: skip
-    param = json_path(body, tuple(first["loc"][1:]))
-    if kind == "missing":
-        message = f"Missing required parameter: '{param}'."
-    elif kind == "extra_forbidden":
-        message = f"Unknown parameter: '{param}'."
-    else:
-        message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}."
+    if first["loc"][:1] == ("body",) and (kind == "json_invalid" or not isinstance(body, dict)):
+        detail = "the request body must be a JSON object"
+        if kind == "json_invalid":
+            detail = first.get("ctx", {}).get("error", first.get("msg", ""))
+        return bad_request(
+            f"We could not parse the JSON body of your request: {detail}", None, "invalid_json"
+        )
+    param = _param(body, first)
+    template = _MESSAGES.get(kind, "Invalid value for '{param}': {msg}.")
+    message = template.format(param=param, msg=first.get("msg", "invalid").rstrip("."))
     return bad_request(message, param, _CODES.get(kind, "invalid_value"))
 
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "10" is not an integer and "yes" is not a boolean (JSON types are exact).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- content parts ----------------------------------------------------------------------------
@@ -166,7 +167,7 @@ class TextFormatJsonSchema(_Strict):
     description: str | None = None
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class TextFormatJsonObject(_Strict):

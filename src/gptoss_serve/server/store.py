@@ -57,7 +57,10 @@ class ResponseStore:
                 (response["id"], response["created_at"], json.dumps(response),
                  json.dumps(input_items), json.dumps(conversation)),
             )  # fmt: skip
-            self._connection.executemany("INSERT OR REPLACE INTO items VALUES (?, ?, ?)", items)
+            # An item id belongs to the response that first stored it: a later response that
+            # references it (item_reference) must not take it over, or deleting that one
+            # would delete the item from under the earlier response.
+            self._connection.executemany("INSERT OR IGNORE INTO items VALUES (?, ?, ?)", items)
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         row = self._one("SELECT response FROM responses WHERE id = ?", response_id)
