@@ -1,0 +1,82 @@
+"""The CPU engine: interleaved requests, abort on close, one failure fails one request."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from gptoss_serve.config import SamplingParams
+from gptoss_serve.engine.client import EngineError
+from gptoss_serve.engine.cpu_engine import CpuEngine
+from gptoss_serve.model import load_model
+from gptoss_serve.model.generate import generate
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint_dirs: dict[str, Path]):
+    return load_model(checkpoint_dirs["tiny8"])
+
+
+async def _collect(engine: CpuEngine, request_id: str, prompt: list[int], params) -> list[int]:
+    return [token async for token in engine.generate(request_id, prompt, params)]
+
+
+def test_concurrent_requests_match_running_alone(model) -> None:
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11], [500] * 40]
+    alone = [list(generate(model, prompt, GREEDY)) for prompt in prompts]
+
+    async def main() -> list[list[int]]:
+        engine = CpuEngine(model, "tiny", max_active=2)  # the third request waits its turn
+        try:
+            return await asyncio.gather(
+                *(_collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(prompts))
+            )
+        finally:
+            await engine.close()
+
+    assert asyncio.run(main()) == alone
+
+
+def test_closing_the_stream_aborts(model) -> None:
+    async def main() -> None:
+        engine = CpuEngine(model, "tiny")
+        long = SamplingParams(max_tokens=10_000, temperature=1.0, seed=1)
+        stream = engine.generate("r", [1, 2, 3], long)
+        received = [await anext(stream) for _ in range(3)]
+        await stream.aclose()  # what the server does when the client disconnects
+        for _ in range(200):
+            if not engine._active:
+                break
+            await asyncio.sleep(0.01)
+        assert len(received) == 3 and not engine._active
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_failing_request_does_not_stop_the_others(model) -> None:
+    async def main() -> tuple[Exception | None, list[int]]:
+        engine = CpuEngine(model, "tiny")
+        bad = _collect(engine, "bad", [model.config.vocab_size + 5], GREEDY)  # id out of range
+        good = _collect(engine, "good", [1, 2, 3], GREEDY)
+        results = await asyncio.gather(bad, good, return_exceptions=True)
+        await engine.close()
+        return results
+
+    failure, tokens = asyncio.run(main())
+    assert isinstance(failure, EngineError) and "outside the vocabulary" in str(failure)
+    assert len(tokens) == 12
+
+
+def test_closed_engine_refuses_new_work(model) -> None:
+    async def main() -> None:
+        engine = CpuEngine(model, "tiny")
+        await engine.close()
+        with pytest.raises(EngineError):
+            await _collect(engine, "late", [1], GREEDY)
+
+    asyncio.run(main())
