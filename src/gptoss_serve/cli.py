@@ -26,6 +26,9 @@ from gptoss_serve.checkpoint.synthetic import make_checkpoint
 from gptoss_serve.config import ConfigError, ServerConfig
 from gptoss_serve.engine.cpu_engine import CpuEngine
 from gptoss_serve.harmony import adapter
+from gptoss_serve.harmony.conversation import Message, MessageDone, MessageStarted, RenderRequest
+from gptoss_serve.harmony.parse import HarmonyStreamParser
+from gptoss_serve.harmony.render import render_prompt
 from gptoss_serve.model import load_model
 from gptoss_serve.model.generate import SamplingParams, generate
 from gptoss_serve.model.transformer import SUPPORTED_DTYPES
@@ -139,7 +142,6 @@ def parse_token_ids(spec: str) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -151,34 +153,35 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from error
     model = _load(args)
-    prompt_ids = adapter.render_chat_prompt(
-        args.prompt, reasoning_effort=args.reasoning_effort, instructions=args.instructions
+    prompt_ids = render_prompt(
+        RenderRequest(
+            items=(Message("user", args.prompt),),
+            instructions=args.instructions,
+            reasoning_effort=args.reasoning_effort,
+        )
     )
-    parser = adapter.AssistantParser()
+    parser = HarmonyStreamParser()
     generated: list[int] = []
-    framing_error = None
+    num_messages = 0
+    channel = None
     started = time.perf_counter()
     for token in generate(model, prompt_ids, params):
         generated.append(token)
-        if framing_error is not None:
-            continue
-        try:
-            delta = parser.feed(token)
-        except adapter.HarmonyFramingError as error:
-            framing_error = error
-            continue
-        if delta is None:
-            continue
-        if delta.channel == "final":
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-        elif args.show_analysis:
-            sys.stderr.write(delta.text)
-            sys.stderr.flush()
+        for event in parser.feed(token):
+            if isinstance(event, MessageStarted):
+                channel = event.channel
+            elif isinstance(event, MessageDone):
+                num_messages += 1
+            elif channel in ("final", None):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif args.show_analysis:
+                sys.stderr.write(event.text)
+                sys.stderr.flush()
     elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
-    if framing_error is not None or parser.num_messages == 0:
-        reason = framing_error or "no complete Harmony message"
+    if parser.framing_error is not None or num_messages == 0:
+        reason = parser.framing_error or "no complete Harmony message"
         sys.stderr.write(
             f"[the model did not follow Harmony ({reason}); random demo weights do not. "
             f"Raw output: {adapter.decode(generated)!r}]\n"
@@ -191,7 +194,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_logits(args: argparse.Namespace) -> int:
-
     token_ids = parse_token_ids(args.prompt_ids)
     model = _load(args)
     vocab_size = model.config.vocab_size

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.client import EngineError, EngineInfo
@@ -37,7 +37,6 @@ class _Job:
     generation: Generation | None = None
     is_cancelled: bool = False
     is_done: bool = False
-    errors: list[BaseException] = field(default_factory=list)
 
     def post(self, item: object) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
