@@ -1,4 +1,11 @@
-"""Token sampling: greedy, temperature and top-p (nucleus), with a per-request generator."""
+"""Token sampling: greedy, temperature and top-p (nucleus), with a per-request generator.
+
+``sample`` draws one token with a torch generator (the plain-torch model's path).
+``sample_tokens`` samples a whole batch on the device with no host sync (CUDA-graph friendly):
+on CUDA the Triton kernels of ``_sampling.py`` (their docstring gives the algorithm), elsewhere
+``sample_tokens_reference``. Both draw with Philox keyed by (seed, step), so a request's tokens
+are reproducible and independent of the batch it runs in.
+"""
 
 from __future__ import annotations
 
@@ -27,3 +34,104 @@ def sample(
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> torch.Tensor:
+    """logits [B, V] (bf16 or fp32) -> token ids [B] int64, on logits' device.
+
+    Per row: temperature [B] fp32 (0: greedy, argmax with ties to the lowest id), top_p [B] fp32
+    in (0, 1] (the nucleus: the fewest highest-probability tokens whose mass reaches top_p, ties
+    with the last one included), seeds [B] int64 and steps [B] int64 (the request's seed and the
+    index of the token being drawn). Values are not validated: that would need a host sync.
+    """
+    num_rows = logits.shape[0]
+    if logits.dim() != 2 or any(t.shape != (num_rows,) for t in (temperature, top_p, seeds, steps)):
+        raise ValueError(f"expected logits [B, V] and [B] parameters, got {tuple(logits.shape)}")
+    if logits.is_cuda:
+        # Imported here: CPU installs may have no triton at all.
+        from gptoss_serve.kernels._sampling import sample_tokens_triton  # noqa: PLC0415
+
+        return sample_tokens_triton(logits, temperature, top_p, seeds, steps)
+    return sample_tokens_reference(logits, temperature, top_p, seeds, steps)
+
+
+# Philox4x32-10 (Salmon et al., SC 2011) exactly as triton.language.random implements it.
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul_wide(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a · b (a constant, b [N] in [0, 2^32)) without int64 overflow."""
+    low_part, high_part = a * (b & 0xFFFF), a * (b >> 16)  # each < 2^48
+    high = (high_part + (low_part >> 16)) >> 16
+    low = (((high_part & 0xFFFF) << 16) + low_part) & _MASK32
+    return high, low
+
+
+def philox_uniform(
+    seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """int64 tensors of one (broadcast) shape -> float32 in [0, 1), bit for bit the kernel's
+    ``tl.rand(seed, step·2^32 + id)``: Philox keyed by (seed low, seed high) with counter
+    (id, step, 0, 0), first output word."""
+    seeds, c0 = torch.broadcast_tensors(seeds.long(), token_ids.long())
+    c1 = (steps.long() & _MASK32).expand_as(c0)
+    c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0)
+    k0, k1 = seeds & _MASK32, (seeds >> 32) & _MASK32
+    for _ in range(10):
+        high_b, low_b = _mul_wide(_ROUND_B, c2)
+        high_a, low_a = _mul_wide(_ROUND_A, c0)
+        c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
+        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+    # triton's uint_to_uniform_float: read as int32, fold the negatives onto [0, 2^31), scale.
+    signed = torch.where(c0 >= 2**31, c0 - 2**32, c0)
+    folded = torch.where(signed < 0, -signed - 1, signed)
+    return folded.float() * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+
+
+def nucleus_mask(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """[B, V] -> [B, V] bool: the top-p nucleus of each row's softmax(logits / temperature),
+    the fewest largest logits whose probability mass reaches top_p, plus every tie of the last
+    (temperature [B] > 0, top_p [B]; top_p >= 1 keeps every token)."""
+    sorted_logits = torch.sort(logits.float(), dim=-1, descending=True).values
+    mass = torch.cumsum(torch.softmax(sorted_logits / temperature[:, None], dim=-1), dim=-1)
+    # Mass is non-decreasing: the first index reaching top_p is the count of those below it.
+    last = (mass < top_p[:, None]).sum(-1).clamp(max=logits.shape[-1] - 1)
+    threshold = sorted_logits.gather(-1, last[:, None])
+    return (logits >= threshold) | (top_p[:, None] >= 1)
+
+
+def sample_tokens_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> torch.Tensor:
+    """Plain torch: the semantics the kernels are checked against.
+
+    A sampled row draws by Gumbel-max over its nucleus: argmax of (l - max) / T - log(-log(u))
+    with u = philox_uniform(seed, step, id), an exact draw from the renormalised softmax.
+    """
+    logits = logits.float()
+    is_sampled = temperature > 0
+    safe_temperature = torch.where(is_sampled, temperature, 1.0)
+    kept = nucleus_mask(logits, safe_temperature, top_p) & is_sampled[:, None]
+    rows, ids = torch.nonzero(kept, as_tuple=True)  # Philox only where a token can win
+    u = philox_uniform(seeds[rows], steps[rows], ids)
+    row_max = logits.max(dim=-1).values
+    scores = torch.full_like(logits, -float("inf"))
+    scores[rows, ids] = (logits[rows, ids] - row_max[rows]) / temperature[rows] - torch.log(
+        -torch.log(u)
+    )
+    # argmax returns the first maximum: greedy ties go to the lowest id.
+    return torch.where(is_sampled, scores.argmax(-1), logits.argmax(-1))

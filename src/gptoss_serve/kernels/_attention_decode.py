@@ -1,0 +1,227 @@
+"""Paged decode attention (flash-decoding): one program per (KV head, split, sequence).
+
+Each program multiplies all GROUP query heads of its KV head (padded to 16 rows for the
+tensor cores) against its slice of the sequence's visible keys, so each K/V row is read
+once per group. With more than one split, programs write partial (max, sum, unnormalised
+output) and a second kernel merges them and folds in the sink; with one split the first
+kernel finishes the job itself (no second launch, no partials: large batches).
+"""
+
+# Triton convention: compile-time constants are UPPER_CASE parameters, and kernels (and
+# the launchers that mirror them) take their tensors and strides positionally.
+# ruff: noqa: N803, PLR0917
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gptoss_serve.kernels._attention_common import (
+    LOG2E,
+    LOG2E_FLOAT,
+    NO_SCORE,
+    key_row_offsets,
+    load_rows,
+    softmax_update,
+)
+
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4  # target grid: several programs per SM, so many loads are in flight
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    block_n: int  # keys per loop iteration
+    split_min: int  # fewest keys a split is given (a multiple of block_n)
+    num_warps: int
+    num_stages: int
+
+
+# H200: 64 keys x 128 B x (K + V) = 16 KiB per iteration. The block-table load takes one
+# pipeline stage of its own, so num_stages=5 keeps two K/V tiles in flight (3 or 4 keep one);
+# sm_90 AOT build: 80 registers, 37 KiB shared memory, mma.sync (16-row tiles), cp.async.
+GPU_TILES = DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)
+# Interpreter: tiny tiles so small test sequences still span several tiles and splits.
+CPU_TILES = DecodeTiles(block_n=16, split_min=16, num_warps=1, num_stages=1)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: behave like an H200 so the tests see the same splits
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_keys: int, sms: int, split_min: int
+) -> int:
+    """Splits per (sequence, KV head): enough programs for PROGRAMS_PER_SM waves over all SMs,
+    but never more than the longest visible context can fill at ``split_min`` keys each."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * num_kv_heads)
+    fillable = triton.cdiv(max(max_keys, 1), split_min)
+    return max(1, min(wanted, fillable, MAX_SPLITS))
+
+
+@triton.jit
+def _split_bounds(seq_len, window, num_splits, split_id, HAS_WINDOW: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr):  # fmt: skip
+    """Keys [start, end) of one split and the number of splits this sequence uses (>= 1).
+
+    The sequence's visible keys are divided evenly (in whole tiles, at least SPLIT_MIN keys
+    per split) at run time, so a grid fixed at CUDA-graph capture serves every length.
+    """
+    first_key = 0
+    if HAS_WINDOW:
+        first_key = tl.maximum(seq_len - window, 0)
+    num_keys = seq_len - first_key
+    split_len = tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, SPLIT_MIN)
+    start = first_key + split_id * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    num_active = tl.maximum(tl.cdiv(num_keys, split_len), 1)
+    return start, end, num_active
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, sinks_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ob, stride_oh,
+    window, num_splits, qk_scale,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_MIN: tl.constexpr, HAS_WINDOW: tl.constexpr, FOLD_SINK: tl.constexpr,
+):  # fmt: skip
+    kv_head = tl.program_id(0)  # fastest: the 8 heads of one split share DRAM pages
+    split_id = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start, end, num_active = _split_bounds(
+        seq_len, window, num_splits, split_id, HAS_WINDOW, BLOCK_N, SPLIT_MIN
+    )
+    if split_id >= num_active:
+        return
+
+    rows = tl.arange(0, BLOCK_G)  # query heads of this group, padded to >= 16 rows
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = load_rows(q_ptr + seq * stride_qb, heads * stride_qh, dims, row_mask)  # [G, D]
+    if FOLD_SINK:  # the sink joins the softmax as one more logit per head
+        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_G], NO_SCORE, tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+
+    table_row = table_ptr + seq * stride_tb
+    for tile_start in range(start, end, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        key_mask = keys < end
+        offsets = key_row_offsets(table_row, keys, key_mask, stride_cb, stride_ct, PAGE_SIZE)
+        offsets += kv_head * stride_ch
+        k = load_rows(k_ptr, offsets, dims, key_mask)  # [N, D]
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [G, N]
+        scores = tl.where(key_mask[None, :], scores, float("-inf"))
+        v = load_rows(v_ptr, offsets, dims, key_mask)  # [N, D]
+        m_i, l_i, acc = softmax_update(scores, v, m_i, l_i, acc)
+
+    if FOLD_SINK:
+        out_rows = out_ptr + seq * stride_ob + heads * stride_oh
+        out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_rows[:, None] + dims[None, :], out, mask=row_mask[:, None])
+    else:
+        # partials [B, A, S] and [B, A, S, D], fp32
+        part = (seq * NUM_HEADS + heads) * num_splits + split_id
+        tl.store(part_m_ptr + part, m_i, mask=row_mask)
+        tl.store(part_l_ptr + part, l_i, mask=row_mask)
+        acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(acc_ptrs, acc, mask=row_mask[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    seq_lens_ptr, sinks_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    stride_ob, stride_oh, window, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """One program per (head, sequence): merge the splits' partials and the sink logit."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    _, _, num_active = _split_bounds(seq_len, window, num_splits, 0, HAS_WINDOW, BLOCK_N, SPLIT_MIN)
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < num_active
+    part = (seq * NUM_HEADS + head) * num_splits + splits  # [S]
+    split_max = tl.load(part_m_ptr + part, mask=split_mask, other=float("-inf"))
+    split_sum = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_mask[:, None], other=0.0)  # fmt: skip
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+    m_all = tl.maximum(tl.max(split_max, 0), sink)
+    weight = tl.exp2(split_max - m_all)  # [S]
+    total = tl.sum(split_sum * weight, 0) + tl.exp2(sink - m_all)
+    out = tl.sum(acc * weight[:, None], 0) / total  # [D]
+    out_row = out_ptr + seq * stride_ob + head * stride_oh
+    tl.store(out_row + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    window: int | None,
+    scale: float,
+    max_seq_len: int | None,
+) -> torch.Tensor:
+    """Shapes as in attention.paged_attention_decode; ``out`` [B, A, D] is written."""
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    tiles = GPU_TILES if q.is_cuda else CPU_TILES
+    max_keys = block_tables.shape[1] * page_size if max_seq_len is None else max_seq_len
+    if window is not None:
+        max_keys = min(max_keys, window)
+    num_splits = choose_num_splits(
+        batch, num_kv_heads, max_keys, num_sms(q.device), tiles.split_min
+    )
+    fold_sink = num_splits == 1
+    part_shape = (batch, num_heads, num_splits)
+    part_m = out if fold_sink else q.new_empty(part_shape, dtype=torch.float32)
+    part_l = out if fold_sink else q.new_empty(part_shape, dtype=torch.float32)
+    part_acc = out if fold_sink else q.new_empty((*part_shape, head_dim), dtype=torch.float32)
+    common = dict(
+        window=window or 0,
+        num_splits=num_splits,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_N=tiles.block_n,
+        SPLIT_MIN=tiles.split_min,
+        HAS_WINDOW=window is not None,
+    )
+    _decode_kernel[(num_kv_heads, num_splits, batch)](
+        q, k_cache, v_cache, block_tables, seq_lens, sinks, out, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        qk_scale=scale * LOG2E_FLOAT, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        PAGE_SIZE=page_size, FOLD_SINK=fold_sink,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **common,
+    )  # fmt: skip
+    if not fold_sink:
+        _combine_kernel[(num_heads, batch)](
+            seq_lens, sinks, part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, **common,
+        )  # fmt: skip
+    return out
