@@ -26,7 +26,13 @@ from gpu_model import DecodeStep, _normal, random_moe_weights
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels.attention import kv_bytes_read, paged_attention_decode
-from gptoss_serve.kernels.moe import mxfp4_moe, mxfp4_moe_bytes
+from gptoss_serve.kernels.moe import (
+    mxfp4_moe,
+    mxfp4_moe_bytes,
+    mxfp4_moe_flops,
+    route,
+    router_logits_reference,
+)
 
 logger = logging.getLogger("bench.kernels")
 FLOOR_DECODE_STEP_MS = 1.16  # 5.0 GB per token at 4.3 TB/s (docs/performance.md)
@@ -57,10 +63,11 @@ def graph_time_ms(fn: Callable[[], object], *, calls: int = 1, repeats: int = 20
 
 
 def copy_tbps() -> float:
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda").random_()
+    # 4 GiB of float32 (a uint8 copy runs a slower kernel); bytes read plus bytes written.
+    src = torch.randn(1 << 30, device="cuda")
     dst = torch.empty_like(src)
     times = graph_time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / (statistics.median(times) * 1e-3) / 1e12
+    return 2 * src.numel() * src.element_size() / (statistics.median(times) * 1e-3) / 1e12
 
 
 def matmul_tflops() -> float:
@@ -77,19 +84,20 @@ def bench_moe(config: ModelConfig, results: dict, rows: list, ceilings: dict) ->
         inputs = [_normal((tokens, config.hidden_size), 1.0, "cuda") for _ in range(calls)]
         times = graph_time_ms(lambda inputs=inputs: [mxfp4_moe(x, weights) for x in inputs],
                               calls=calls)  # fmt: skip
-        nbytes = statistics.mean(mxfp4_moe_bytes(x, weights) for x in inputs)
+        nbytes = statistics.mean(
+            mxfp4_moe_bytes(tokens, weights, route(router_logits_reference(x, weights), 4)[1])
+            for x in inputs
+        )
         tbps = nbytes / (statistics.median(times) * 1e-3) / 1e12
         key = "moe_decode_bs1_effective_tbps" if tokens == 1 else f"moe_decode_{tokens}_tbps"
         results[key] = round(tbps, 3)
         results[f"moe_decode_{tokens}_us"] = round(statistics.median(times) * 1e3, 2)
         rows.append((f"MoE decode, {tokens} tok (per layer)", tbps, "TB/s", ceilings["copy"]))
-    flops_per_token = (
-        2 * config.num_experts_per_tok * 3 * config.hidden_size * (config.intermediate_size)
-    )
     for tokens in (2048, 8192):
         x = _normal((tokens, config.hidden_size), 1.0, "cuda")
         times = graph_time_ms(lambda x=x: mxfp4_moe(x, weights), repeats=10)
-        tflops = tokens * flops_per_token / (statistics.median(times) * 1e-3) / 1e12
+        flops = mxfp4_moe_flops(tokens, weights, top_k=config.num_experts_per_tok)
+        tflops = flops / (statistics.median(times) * 1e-3) / 1e12
         results[f"moe_prefill_{tokens}_tflops"] = round(tflops, 1)
         rows.append((f"MoE prefill, {tokens} tok", tflops, "TFLOP/s", ceilings["matmul"]))
 

@@ -1,13 +1,175 @@
-"""Mixture of experts: top-k routing and the clamped SwiGLU expert MLP, in plain torch."""
+"""Mixture of experts for gpt-oss: the fused MXFP4 op, and top-k routing and the clamped SwiGLU
+expert MLP in plain torch.
+
+``mxfp4_moe(x, weights)`` computes, for x [T, H] bf16 and k = top_k,
+
+    logits = x @ Wr^T + br (fp32); the k largest per token; w = softmax over those k;
+    out[t] = Σ_k w[t,k] · (SwiGLU(x[t] @ Wgu[e]^T + bgu[e]) @ Wd[e]^T + bd[e]),  e = ids[t,k].
+
+On CUDA it runs the Triton kernels (_moe_triton.py: routing, grouping of the T·k (token, slot)
+pairs by expert, two grouped GEMMs that dequantize MXFP4 in registers, an ordered top-k sum);
+elsewhere the plain-torch reference at the bottom of this module.
+
+Cost per call, for the benchmark (``mxfp4_moe_bytes``, ``mxfp4_moe_flops``):
+
+- bytes: each distinct expert the tokens touch is read once. Per expert
+  2I·H/2 + 2I·H/32 + 2·2I (gate_up blocks, E8M0 scales, bf16 bias) + H·I/2 + H·I/32 + 2·H
+  (down) = 13,236,480 B at H = I = 2880. Batch 1 touches 4 experts: 52.9 MB per layer, 1.91 GB
+  for the 36 layers of 120b. T tokens touch about E·(1 − (1 − k/E)^T) experts (111 of 128 at
+  T = 64). Not counted: activations, the router weight (E·H bf16 = 0.74 MB), scratch buffers.
+- FLOPs (tensor-core work): 2·T·k·(2I·H + I·H) = 199 MFLOP per token at 120b shapes (2048
+  tokens: 408 GFLOP); the router's 2·T·H·E (0.74 MFLOP per token) is not counted.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from gptoss_serve.kernels.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
+
 # An expert's dense weights: (gate_up [2I, H], down [H, I]) in the compute dtype.
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class MoeWeights:
+    """One layer's MoE weights on one device, the experts kept MXFP4 as released.
+
+    E experts, H hidden, I intermediate: router_weight [E, H] bf16, router_bias [E] bf16;
+    gate_up_blocks [E, 2I, H/32, 16] uint8, gate_up_scales [E, 2I, H/32] uint8 and
+    gate_up_bias [E, 2I] bf16, rows interleaved (2j gate j, 2j+1 up j); down_blocks
+    [E, H, I/32, 16] uint8, down_scales [E, H, I/32] uint8, down_bias [E, H] bf16.
+    """
+
+    router_weight: torch.Tensor
+    router_bias: torch.Tensor
+    gate_up_blocks: torch.Tensor
+    gate_up_scales: torch.Tensor
+    gate_up_bias: torch.Tensor
+    down_blocks: torch.Tensor
+    down_scales: torch.Tensor
+    down_bias: torch.Tensor
+
+    @classmethod
+    def from_checkpoint(  # noqa: PLR0917 (the checkpoint's tensor order)
+        cls,
+        router_weight: torch.Tensor,
+        router_bias: torch.Tensor,
+        gate_up_blocks: torch.Tensor,
+        gate_up_scales: torch.Tensor,
+        gate_up_bias: torch.Tensor,
+        down_blocks: torch.Tensor,
+        down_scales: torch.Tensor,
+        down_bias: torch.Tensor,
+    ) -> MoeWeights:
+        """Check and wrap one layer's checkpoint tensors; no re-layout, no copy.
+
+        No re-layout pays enough yet: the kernels read a weight tile as 64- or 128-byte runs of
+        each row (whole sectors), the interleaved gate/up rows are what the fused SwiGLU
+        epilogue wants (one tile holds both halves of each unit), and the scales are 1/16 of
+        the bytes. Measured on the compiled SASS (not timed): a 4x4 byte transpose inside each
+        16-byte group, which hands each thread its wgmma fragment in one 32-bit load, cuts the
+        main loop by only 7-9% (the decode arithmetic dominates), so it is left out. Memory
+        stays at the checkpoint's size and the fields are the checkpoint tensors themselves
+        (made contiguous, a no-op for loaded tensors).
+        """
+        weights = cls(
+            *(
+                t.contiguous()
+                for t in (
+                    router_weight, router_bias, gate_up_blocks, gate_up_scales, gate_up_bias,
+                    down_blocks, down_scales, down_bias,
+                )
+            )
+        )  # fmt: skip
+        weights.check()
+        return weights
+
+    @property
+    def num_experts(self) -> int:
+        return self.router_weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.router_weight.shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down_blocks.shape[2] * BLOCK_SIZE
+
+    def check(self) -> None:
+        """Raise ValueError/TypeError naming the first tensor whose shape or dtype is off."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        if h % BLOCK_SIZE or i % BLOCK_SIZE:
+            raise ValueError(f"hidden {h} and intermediate {i} must be multiples of 32")
+        expected = {
+            "router_weight": ((e, h), torch.bfloat16),
+            "router_bias": ((e,), torch.bfloat16),
+            "gate_up_blocks": ((e, 2 * i, h // 32, 16), torch.uint8),
+            "gate_up_scales": ((e, 2 * i, h // 32), torch.uint8),
+            "gate_up_bias": ((e, 2 * i), torch.bfloat16),
+            "down_blocks": ((e, h, i // 32, 16), torch.uint8),
+            "down_scales": ((e, h, i // 32), torch.uint8),
+            "down_bias": ((e, h), torch.bfloat16),
+        }
+        for name, (shape, dtype) in expected.items():
+            tensor = getattr(self, name)
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(tensor.shape)}")
+            if tensor.dtype != dtype:
+                raise TypeError(f"{name}: expected {dtype}, got {tensor.dtype}")
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's blocks + scales + biases (what the kernels read per expert)."""
+        h, i = self.hidden_size, self.intermediate_size
+        gate_up = 2 * i * (h // 2 + h // 32 + 2)
+        down = h * (i // 2 + i // 32 + 2)
+        return gate_up + down
+
+
+def mxfp4_moe(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    *,
+    top_k: int = 4,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """x [T, H] -> [T, H] in x's dtype: routing, the top_k experts' SwiGLU MLPs, weighted sum.
+
+    The Triton kernels when x is a bf16 CUDA tensor (the tensor cores take bf16), the
+    plain-torch reference otherwise (CPU, or another dtype).
+    """
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        from gptoss_serve.kernels._moe_triton import mxfp4_moe_triton  # noqa: PLC0415 (needs triton)
+
+        return mxfp4_moe_triton(x, weights, top_k=top_k, alpha=alpha, limit=limit)
+    return mxfp4_moe_reference(x, weights, top_k=top_k, alpha=alpha, limit=limit)
+
+
+def mxfp4_moe_bytes(
+    num_tokens: int, weights: MoeWeights, expert_ids: torch.Tensor | None = None, *, top_k: int = 4
+) -> int:
+    """Expert bytes one call reads: distinct experts in ``expert_ids`` (or, without them, the
+    expected number for ``num_tokens`` uniformly routed tokens) x ``expert_bytes``."""
+    if expert_ids is not None:
+        distinct = torch.unique(expert_ids).numel()
+    else:
+        e = weights.num_experts
+        distinct = round(e * (1 - (1 - top_k / e) ** num_tokens))
+    return distinct * weights.expert_bytes()
+
+
+def mxfp4_moe_flops(num_tokens: int, weights: MoeWeights, *, top_k: int = 4) -> int:
+    """Matrix FLOPs of the expert GEMMs: 2·T·k·(2I·H + I·H) (router not counted)."""
+    h, i = weights.hidden_size, weights.intermediate_size
+    return 2 * num_tokens * top_k * 3 * i * h
+
+
+# -- plain-torch references ---------------------------------------------------------------
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,3 +213,55 @@ def moe(
         weight = routing_weights[token_index, slot, None]
         out.index_add_(0, token_index, (expert_out * weight).to(out.dtype))
     return out
+
+
+def mxfp4_moe_experts_reference(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    expert_ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    *,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """The expert half with the routing given ([T, k] each), in fp32; output in x's dtype."""
+
+    def dequantized(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            dequantize_mxfp4(weights.gate_up_blocks[expert], weights.gate_up_scales[expert], f32),
+            dequantize_mxfp4(weights.down_blocks[expert], weights.down_scales[expert], f32),
+        )
+
+    f32 = torch.float32
+    out = moe(
+        x.to(f32),
+        routing_weights.to(f32),
+        expert_ids,
+        dequantized,
+        gate_up_bias=weights.gate_up_bias.to(f32),
+        down_bias=weights.down_bias.to(f32),
+        alpha=alpha,
+        limit=limit,
+    )
+    return out.to(x.dtype)
+
+
+def router_logits_reference(x: torch.Tensor, weights: MoeWeights) -> torch.Tensor:
+    """fp32 router logits [T, E] = x @ Wr^T + br."""
+    return x.float() @ weights.router_weight.float().T + weights.router_bias.float()
+
+
+def mxfp4_moe_reference(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    *,
+    top_k: int = 4,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """Plain torch, fp32 inside: fp32 router logits, route, then only the chosen experts
+    dequantized and run through ``moe``; the output is cast to x's dtype."""
+    routing_weights, expert_ids = route(router_logits_reference(x, weights), top_k)
+    return mxfp4_moe_experts_reference(
+        x, weights, expert_ids, routing_weights, alpha=alpha, limit=limit
+    )

@@ -1,0 +1,32 @@
+"""Triton helpers shared by the MoE kernels, with the workarounds the interpreter needs.
+
+Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU test path) multiplies bf16 operands of
+tl.dot as raw 16-bit integers and truncates fp32 -> bf16 casts, where the GPU rounds to
+nearest even. With INTERPRET set, these helpers compute what the GPU computes instead; on the
+GPU (INTERPRET false, a constexpr) they compile to the plain operation.
+"""
+
+# Triton's conventions: UPPER_CASE constexpr parameters.
+# ruff: noqa: N803
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b with fp32 accumulation (bf16 operands widened exactly under INTERPRET)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _to_bf16(x, INTERPRET: tl.constexpr):
+    """fp32 -> bf16, rounding to nearest even (finite inputs)."""
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)

@@ -1,0 +1,162 @@
+"""Triton bodies of the in-register MXFP4 decode (OCP MX v1.0: E2M1 elements, E8M0 scales).
+
+Weights stay in the checkpoint layout: for one expert, ``blocks`` [N, K/32, 16] uint8 (row n
+holds K/2 contiguous bytes; byte b of a group holds element 2b in its low nibble, 2b+1 in its
+high nibble) and ``scales`` [N, K/32] uint8, value = code_value · 2^(s−127). A tile of BN rows
+x BLOCK_K columns is read as [BN, BLOCK_K/32, 16] bytes (16-byte vector loads) plus
+[BN, BLOCK_K/32] scales and decoded in registers; bf16 weights never exist in memory.
+
+Two decodes with identical results (the GPU test checks both bit for bit):
+- portable Triton: a nibble placed at fp16 bits 15 (sign) and 11-9 (magnitude eem) reads as
+  code_value · 2^−14 (0.5 is the fp16 subnormal 2^−15); fp16 -> fp32 is exact, and one multiply
+  by 2^(s−113) gives the value, exactly for 3 ≤ s ≤ 240. ~10 instructions per element in SASS.
+- inline PTX (GPU only): two elements per 32-bit register and packed bf16x2 multiplies;
+  ~7 per element including the layout shuffles around it. Exact for 1 ≤ s ≤ 252.
+Real checkpoints' scales sit near 127.
+"""
+
+# Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
+# ruff: noqa: N803, PLR0917
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 4 packed bytes b0..b3 ($4) and their E8M0 scales s0..s3 ($5) -> 4 registers of two bf16.
+# prmt spreads bytes (b0, b1) to the two 16-bit halves; a nibble moved to bf16 bits 15 (sign)
+# and 8-6 (magnitude) reads as code_value · 2^−126 (0.5 is a bf16 subnormal, which mul.bf16x2
+# keeps); x 2^126 (0x7E80), then x 2^(s−127) (bf16 bits s << 7): both exact.
+# $0/$1: even elements of (b0, b1)/(b2, b3); $2/$3: odd elements.
+_E2M1_PTX = tl.constexpr(
+    """
+{
+.reg .b32 t, u, lo, hi, sc, bias;
+mov.b32 bias, 0x7E807E80;
+prmt.b32 t, $4, 0, 0x4140;
+prmt.b32 sc, $5, 0, 0x4140;
+shl.b32 sc, sc, 7;
+shl.b32 lo, t, 12;
+shl.b32 hi, t, 6;
+and.b32 lo, lo, 0x80008000;
+and.b32 hi, hi, 0x01C001C0;
+or.b32 u, lo, hi;
+mul.rn.bf16x2 u, u, bias;
+mul.rn.bf16x2 $0, u, sc;
+shl.b32 lo, t, 8;
+shl.b32 hi, t, 2;
+and.b32 lo, lo, 0x80008000;
+and.b32 hi, hi, 0x01C001C0;
+or.b32 u, lo, hi;
+mul.rn.bf16x2 u, u, bias;
+mul.rn.bf16x2 $2, u, sc;
+prmt.b32 t, $4, 0, 0x4342;
+prmt.b32 sc, $5, 0, 0x4342;
+shl.b32 sc, sc, 7;
+shl.b32 lo, t, 12;
+shl.b32 hi, t, 6;
+and.b32 lo, lo, 0x80008000;
+and.b32 hi, hi, 0x01C001C0;
+or.b32 u, lo, hi;
+mul.rn.bf16x2 u, u, bias;
+mul.rn.bf16x2 $1, u, sc;
+shl.b32 lo, t, 8;
+shl.b32 hi, t, 2;
+and.b32 lo, lo, 0x80008000;
+and.b32 hi, hi, 0x01C001C0;
+or.b32 u, lo, hi;
+mul.rn.bf16x2 u, u, bias;
+mul.rn.bf16x2 $3, u, sc;
+}
+"""
+)
+
+
+@triton.jit
+def _load_packed(
+    blocks_ptr, scales_ptr, rows, row_mask, k0, K, stride_block_row, stride_scale_row,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """(bytes [BN, BLOCK_K/32, 16], scales [BN, BLOCK_K/32]) uint8 of columns [k0, k0+BLOCK_K)
+    of rows ``rows``; ``blocks_ptr``/``scales_ptr`` point at the expert. Masked parts read 0."""
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    mask = row_mask[:, None]
+    if not EVEN_K:
+        mask = mask & (groups < K // 32)[None, :]
+    scale = tl.load(
+        scales_ptr + rows[:, None] * stride_scale_row + groups[None, :], mask=mask, other=0
+    )
+    byte_ptrs = (
+        blocks_ptr
+        + rows[:, None, None] * stride_block_row
+        + groups[None, :, None] * 16
+        + tl.arange(0, 16)[None, None, :]
+    )
+    return tl.load(byte_ptrs, mask=mask[:, :, None], other=0), scale
+
+
+@triton.jit
+def _code_values(packed):
+    """Bytes [..., 16] -> fp32 (even, odd) code_value · 2^−14, by the fp16 placement above."""
+    packed = packed.to(tl.int32)
+    even = ((packed & 0x08) << 12) | ((packed & 0x07) << 9)  # low nibble
+    odd = ((packed & 0x80) << 8) | ((packed & 0x70) << 5)  # high nibble
+    even = even.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return even, odd.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale_values(scale):
+    """E8M0 exponents (uint8) -> fp32 2^(s−113): the scale times the 2^14 of _code_values."""
+    return ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_pairs_ptx(packed, scale):
+    """Bytes and their scales (same shape, uint8) -> (even, odd) bf16 elements (GPU only)."""
+    return tl.inline_asm_elementwise(
+        _E2M1_PTX,
+        "=r,=r,=r,=r,r,r",
+        [packed, scale],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _dequant_tile(
+    blocks_ptr, scales_ptr, rows, row_mask, k0, K, stride_block_row, stride_scale_row,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """Rows ``rows`` [BN] x columns [k0, k0 + BLOCK_K) of one expert -> [BN, BLOCK_K] bf16."""
+    packed, scale = _load_packed(
+        blocks_ptr, scales_ptr, rows, row_mask, k0, K, stride_block_row, stride_scale_row,
+        BLOCK_K, EVEN_K,
+    )  # fmt: skip
+    if PTX:
+        even, odd = _e2m1_pairs_ptx(packed, tl.broadcast_to(scale[:, :, None], packed.shape))
+    else:
+        even, odd = _code_values(packed)
+        scale = _scale_values(scale)[:, :, None]
+        even, odd = even * scale, odd * scale
+    values = tl.reshape(tl.join(even, odd), [rows.shape[0], BLOCK_K])  # byte b: 2b, 2b+1
+    # Portable path: bf16 only after the reshape. Converting before it crashes Triton 3.6's
+    # dot-operand layout hoisting on the wgmma path ("Illegal shared layout").
+    return values.to(tl.bfloat16)
+
+
+@triton.jit
+def _dequant_kernel(
+    blocks_ptr, scales_ptr, out_ptr, N, K, stride_block_row, stride_scale_row,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """Debug: write the in-kernel decode of [N, K/32, 16] blocks as bf16 [N, K] (tests only)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _dequant_tile(
+        blocks_ptr, scales_ptr, rows, rows < N, k0, K, stride_block_row, stride_scale_row,
+        BLOCK_K, False, PTX,
+    )  # fmt: skip
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (ks < K)[None, :]
+    tl.store(out_ptr + rows[:, None] * K + ks[None, :], w, mask=mask)

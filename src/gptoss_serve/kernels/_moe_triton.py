@@ -1,0 +1,339 @@
+"""Host side of the Triton MXFP4 MoE: the tile table per regime, buffers, and the launches.
+
+One call, with no device-to-host sync (CUDA-graph safe; every size below is known from T):
+
+    decode (T ≤ 64)                          prefill (T > 64)
+    _router_kernel: logits [T, E] fp32        _router_topk_kernel: ids, weights
+    _route_small_kernel (1 program):          _count_kernel, _block_table_kernel,
+      top-k + counting sort + block table       _scatter_kernel (atomics)
+    _gate_up_kernel: h [P, I] bf16 (P = T·k pairs, rows grouped by expert, SwiGLU fused)
+    _down_kernel: y [P, H] fp32 (bias and routing weight applied, rows in pair order)
+    _sum_pairs_kernel: out [T, H] = Σ_k y[t·k + slot], slot order (deterministic)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from gptoss_serve.kernels import _moe_dequant as dequant
+from gptoss_serve.kernels import _moe_gemm as gemm
+from gptoss_serve.kernels import _moe_routing as routing
+from gptoss_serve.kernels.moe import MoeWeights
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_n: int  # output columns per program (gate_up: gate and up of block_n/2 units)
+    block_k: int  # reduction step; a multiple of 32 (one MXFP4 group), a power of two
+    num_warps: int
+    num_stages: int
+    swap_ab: bool = True  # decoded weights as wgmma's left operand, straight from registers
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """The tiles of one regime."""
+
+    block_m: int  # pair rows per program; decode: ≥ the tokens one expert can get
+    gate_up: GemmTiles
+    down: GemmTiles
+    small_routing: bool  # one-program routing + grouping (decode) vs multi-program (prefill)
+    ptx_dequant: bool = True  # inline-PTX MXFP4 decode (GPU); False: the portable Triton one
+
+    def __post_init__(self) -> None:
+        # Triton 3.6 crashes ("Illegal shared layout") compiling a bf16 decode as wgmma's
+        # shared-memory operand; swap_ab (register operand) or mma.sync tiles are fine.
+        for gemm_tiles in (self.gate_up, self.down):
+            if self.ptx_dequant and not gemm_tiles.swap_ab and self.block_m >= 64:
+                raise ValueError("ptx_dequant with block_m >= 64 needs swap_ab=True")
+
+
+# Decode (memory-bound), by token count: narrow column tiles so that even batch 1 (4 experts)
+# spreads over the 132 SMs (gate_up 5760/64 x 4 = 360 programs, down 2880/32 x 4 = 360), long
+# K steps, and block_m ≥ T so that each expert's weights are read once. swap_ab needs
+# block_n ≥ 64 (wgmma's M); below that plain tl.dot is better.
+_NARROW = GemmTiles(32, 256, 4, 3, swap_ab=False)
+_WIDE = GemmTiles(64, 128, 4, 3)
+DECODE_TILES: tuple[tuple[int, MoeTiles], ...] = (
+    (16, MoeTiles(16, _WIDE, _NARROW, small_routing=True)),
+    (64, MoeTiles(32, _WIDE, _WIDE, small_routing=True)),
+)
+# Prefill, by mean rows per expert (T·k/E). Every row block decodes its expert's whole weight
+# tile, and that decode (~7-8 SASS instructions per element) costs about as much as the MMAs,
+# so block_m follows the rows an expert gets: one block per expert where possible. K = 2880 is
+# 45 steps of 64, so no K masking.
+_PREFILL = (GemmTiles(128, 64, 4, 4), GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 2))
+PREFILL_TILES: tuple[tuple[float, MoeTiles], ...] = (
+    (48, MoeTiles(64, _PREFILL[0], _PREFILL[0], small_routing=False)),
+    (112, MoeTiles(128, _PREFILL[1], _PREFILL[1], small_routing=False)),
+    (math.inf, MoeTiles(256, _PREFILL[2], _PREFILL[2], small_routing=False)),
+)
+_SUM_BLOCK = 1024
+_GROUP_BLOCK = 1024  # pairs per program of the prefill count/scatter kernels
+_TABLE_CHUNK = 64  # row blocks per step when writing the block table
+
+
+def tiles_for(num_tokens: int, num_experts: int, top_k: int = 4) -> MoeTiles:
+    """Decode tiles by token count; prefill tiles by the mean rows per expert."""
+    for max_tokens, tiles in DECODE_TILES:
+        if num_tokens <= max_tokens:
+            return tiles
+    rows_per_expert = num_tokens * top_k / num_experts
+    return next(tiles for max_rows, tiles in PREFILL_TILES if rows_per_expert <= max_rows)
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Pairs grouped by expert for the GEMMs (see _moe_routing.py for the meaning)."""
+
+    sorted_pair_ids: torch.Tensor  # [P] int32
+    block_table: torch.Tensor  # [3, max_blocks] int32: expert, row_start, row_end
+    num_blocks: torch.Tensor  # [1] int32, on the device
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_table.shape[1]
+
+
+def mxfp4_moe_triton(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    *,
+    top_k: int = 4,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    tiles: MoeTiles | None = None,
+    out: torch.Tensor | None = None,
+    poison: bool = False,
+) -> torch.Tensor:
+    """The Triton path of mxfp4_moe (also on CPU tensors under TRITON_INTERPRET=1).
+
+    ``tiles`` overrides the regime; ``out`` [T, H] (rows contiguous) receives the result;
+    ``poison`` fills the float scratch buffers with NaN so that a read of anything unwritten
+    shows (tests). The weights must be contiguous, as MoeWeights.from_checkpoint makes them.
+    """
+    if x.shape[0] == 0:
+        return x.new_empty(x.shape)
+    tiles = tiles or tiles_for(x.shape[0], weights.num_experts, top_k)
+    _, routing_weights, grouping = route_triton(x, weights, top_k=top_k, tiles=tiles)
+    return _experts(
+        x, weights, routing_weights, grouping,
+        tiles=tiles, alpha=alpha, limit=limit, out=out, poison=poison,
+    )  # fmt: skip
+
+
+def moe_experts_triton(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    expert_ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    *,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    tiles: MoeTiles | None = None,
+    out: torch.Tensor | None = None,
+    poison: bool = False,
+) -> torch.Tensor:
+    """The expert half with the routing given: expert_ids/routing_weights [T, k] -> [T, H].
+
+    Tests feed it a routing computed once in fp32, so the GEMMs are checked without ties
+    flipping experts between two routings."""
+    tiles = tiles or tiles_for(x.shape[0], weights.num_experts, expert_ids.shape[1])
+    expert_ids = expert_ids.to(torch.int32).contiguous()
+    grouping = group_pairs(expert_ids, weights.num_experts, tiles)
+    flat_weights = routing_weights.to(torch.float32).contiguous()
+    return _experts(
+        x, weights, flat_weights, grouping,
+        tiles=tiles, alpha=alpha, limit=limit, out=out, poison=poison,
+    )  # fmt: skip
+
+
+def route_triton(
+    x: torch.Tensor, weights: MoeWeights, *, top_k: int, tiles: MoeTiles
+) -> tuple[torch.Tensor, torch.Tensor, Grouping]:
+    """x [T, H] -> (expert_ids [T, k] int32, routing_weights [T, k] fp32, grouping)."""
+    num_tokens, hidden = x.shape
+    num_experts = weights.num_experts
+    x = x.contiguous()
+    expert_ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    routing_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    if not tiles.small_routing:
+        block_t, block_k = 32, 64
+        routing._router_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+            x, weights.router_weight, weights.router_bias, expert_ids, routing_weights,
+            num_tokens, num_experts, x.stride(0), HIDDEN=hidden,
+            TOP_K=top_k, K_PAD=_pow2(top_k), BLOCK_T=block_t, E_PAD=_experts_pad(num_experts),
+            BLOCK_K=block_k, INTERPRET=_interpreting(),
+        )  # fmt: skip
+        return expert_ids, routing_weights, group_pairs(expert_ids, num_experts, tiles)
+    logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    block_t, block_e, block_k = 16, 16, 256
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))
+    routing._router_kernel[grid](
+        x, weights.router_weight, weights.router_bias, logits,
+        num_tokens, num_experts, x.stride(0),
+        HIDDEN=hidden, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, INTERPRET=_interpreting(),
+    )  # fmt: skip
+    grouping = _group_small(logits, expert_ids, routing_weights, num_experts, tiles)
+    return expert_ids, routing_weights, grouping
+
+
+def group_pairs(expert_ids: torch.Tensor, num_experts: int, tiles: MoeTiles) -> Grouping:
+    """expert_ids [T, k] int32 (contiguous) -> the pairs grouped by expert, on the device."""
+    if tiles.small_routing:
+        return _group_small(None, expert_ids, None, num_experts, tiles)
+    num_pairs = expert_ids.numel()
+    device = expert_ids.device
+    e_pad = _experts_pad(num_experts)
+    grouping = _empty_grouping(num_pairs, num_experts, tiles.block_m, device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    grid = (triton.cdiv(num_pairs, _GROUP_BLOCK),)
+    routing._count_kernel[grid](expert_ids, counts, num_pairs, E_PAD=e_pad, BLOCK=_GROUP_BLOCK)
+    routing._block_table_kernel[(1,)](
+        counts, cursor, grouping.block_table, grouping.num_blocks, num_experts,
+        grouping.max_blocks, E_PAD=e_pad, BLOCK_M=tiles.block_m, CHUNK_B=_TABLE_CHUNK,
+    )  # fmt: skip
+    routing._scatter_kernel[grid](
+        expert_ids, cursor, grouping.sorted_pair_ids, num_pairs, BLOCK=_GROUP_BLOCK
+    )
+    return grouping
+
+
+def _group_small(
+    logits: torch.Tensor | None,
+    expert_ids: torch.Tensor,
+    routing_weights: torch.Tensor | None,
+    num_experts: int,
+    tiles: MoeTiles,
+) -> Grouping:
+    """One program: top-k from ``logits`` (writing ids and weights) when given, then grouping."""
+    num_tokens, top_k = expert_ids.shape
+    grouping = _empty_grouping(expert_ids.numel(), num_experts, tiles.block_m, expert_ids.device)
+    from_logits = logits is not None
+    routing._route_small_kernel[(1,)](
+        logits if from_logits else expert_ids, expert_ids,
+        routing_weights if from_logits else expert_ids,
+        grouping.sorted_pair_ids, grouping.block_table, grouping.num_blocks,
+        num_tokens, num_experts, grouping.max_blocks,
+        TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_experts_pad(num_experts),
+        CHUNK_T=min(16, _pow2(num_tokens)), BLOCK_M=tiles.block_m, CHUNK_B=_TABLE_CHUNK,
+        FROM_LOGITS=from_logits, num_warps=4,
+    )  # fmt: skip
+    return grouping
+
+
+def _empty_grouping(num_pairs: int, num_experts: int, block_m: int, device) -> Grouping:
+    # Σ_e ceil(c_e / BM) ≤ P // BM + (number of experts used) ≤ P // BM + min(E, P).
+    max_blocks = num_pairs // block_m + min(num_experts, num_pairs)
+    return Grouping(
+        sorted_pair_ids=torch.empty(num_pairs, dtype=torch.int32, device=device),
+        block_table=torch.empty(3, max_blocks, dtype=torch.int32, device=device),
+        num_blocks=torch.empty(1, dtype=torch.int32, device=device),
+    )
+
+
+def _experts(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    routing_weights: torch.Tensor,
+    grouping: Grouping,
+    *,
+    tiles: MoeTiles,
+    alpha: float,
+    limit: float,
+    out: torch.Tensor | None,
+    poison: bool,
+) -> torch.Tensor:
+    """The three GEMM-side launches: gate_up + SwiGLU, down, ordered top-k sum."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the Triton MoE takes bf16 activations, got {x.dtype}")
+    x = x.contiguous()
+    num_tokens, hidden = x.shape
+    top_k = routing_weights.shape[1]
+    num_pairs, inter = num_tokens * top_k, weights.intermediate_size
+    h = _scratch((num_pairs, inter), torch.bfloat16, x.device, poison)
+    y = _scratch((num_pairs, hidden), torch.float32, x.device, poison)
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    common = (grouping.sorted_pair_ids, grouping.block_table, grouping.num_blocks)
+    max_blocks = grouping.max_blocks
+    ptx = tiles.ptx_dequant and not _interpreting()
+    _launch_gemm(
+        gemm._gate_up_kernel,
+        x, weights.gate_up_blocks, weights.gate_up_scales, weights.gate_up_bias, h, *common,
+        2 * inter, max_blocks, top_k, alpha, limit, x.stride(0),
+        *_weight_strides(weights.gate_up_blocks, weights.gate_up_scales), h.stride(0),
+        block_m=tiles.block_m, gemm_tiles=tiles.gate_up, n=2 * inter, k=hidden,
+        max_blocks=max_blocks, ptx=ptx,
+    )  # fmt: skip
+    _launch_gemm(
+        gemm._down_kernel,
+        h, weights.down_blocks, weights.down_scales, weights.down_bias, routing_weights, y,
+        *common, hidden, max_blocks, h.stride(0),
+        *_weight_strides(weights.down_blocks, weights.down_scales), y.stride(0),
+        block_m=tiles.block_m, gemm_tiles=tiles.down, n=hidden, k=inter, max_blocks=max_blocks,
+        ptx=ptx,
+    )  # fmt: skip
+    grid = (num_tokens, triton.cdiv(hidden, _SUM_BLOCK))
+    gemm._sum_pairs_kernel[grid](
+        y, out, hidden, y.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK=_SUM_BLOCK, INTERPRET=_interpreting(),
+    )  # fmt: skip
+    return out
+
+
+def _launch_gemm(
+    kernel, *args, block_m: int, gemm_tiles: GemmTiles, n: int, k: int, max_blocks: int, ptx: bool
+) -> None:
+    """Grid: max_blocks row blocks x cdiv(n, block_n) column tiles; dead row blocks exit."""
+    grid = (max_blocks * triton.cdiv(n, gemm_tiles.block_n),)
+    kernel[grid](
+        *args,
+        K=k, BLOCK_M=block_m, BLOCK_N=gemm_tiles.block_n, BLOCK_K=gemm_tiles.block_k,
+        SWAP_AB=gemm_tiles.swap_ab, PTX=ptx, INTERPRET=_interpreting(),
+        num_warps=gemm_tiles.num_warps, num_stages=gemm_tiles.num_stages,
+    )  # fmt: skip
+
+
+def dequantize_mxfp4_triton(
+    blocks: torch.Tensor, scales: torch.Tensor, *, ptx: bool = True
+) -> torch.Tensor:
+    """Debug: the GEMMs' in-register decode of [N, K/32, 16] blocks written out, bf16 [N, K].
+    ``ptx`` picks the inline-PTX decode (ignored under the interpreter, which cannot run it)."""
+    num_rows, num_groups = scales.shape
+    out = torch.empty(num_rows, num_groups * 32, dtype=torch.bfloat16, device=blocks.device)
+    block_n, block_k = 16, 64
+    grid = (triton.cdiv(num_rows, block_n), triton.cdiv(num_groups * 32, block_k))
+    dequant._dequant_kernel[grid](
+        blocks, scales, out, num_rows, num_groups * 32, blocks.stride(0), scales.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx and not _interpreting(),
+    )  # fmt: skip
+    return out
+
+
+def _weight_strides(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[int, int, int, int]:
+    """(block expert, block row, scale expert, scale row) strides, in bytes (= elements)."""
+    return blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1)
+
+
+def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device, poison: bool) -> torch.Tensor:
+    if poison:
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _experts_pad(num_experts: int) -> int:
+    return max(16, _pow2(num_experts))  # tl.dot needs N ≥ 16 in the prefill router
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
