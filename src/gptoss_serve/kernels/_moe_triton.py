@@ -1,8 +1,10 @@
 """Host side of the Triton MXFP4 MoE: the tile table per regime, buffers, and the launches.
 
-One call, with no device-to-host sync (CUDA-graph safe; every size below is known from T):
+T ≤ DECODE_MAX_TOKENS goes to the GEMV-shaped decode path of _moe_small.py (3 launches); the
+grouped path below takes the rest. One call, with no device-to-host sync (CUDA-graph safe;
+every size below is known from T):
 
-    decode (T ≤ 64)                          prefill (T > 64)
+    small batches (T ≤ 64)                   prefill (T > 64)
     _router_kernel: logits [T, E] fp32        _router_topk_kernel: ids, weights
     _route_small_kernel (1 program):          _count_kernel, _block_table_kernel,
       top-k + counting sort + block table       _scatter_kernel (atomics)
@@ -22,6 +24,7 @@ import triton
 from gptoss_serve.kernels import _moe_dequant as dequant
 from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_routing as routing
+from gptoss_serve.kernels._moe_small import DECODE_MAX_TOKENS, DecodeTiles, mxfp4_moe_decode
 from gptoss_serve.kernels.moe import MoeWeights
 
 
@@ -109,15 +112,23 @@ def mxfp4_moe_triton(
     tiles: MoeTiles | None = None,
     out: torch.Tensor | None = None,
     poison: bool = False,
+    decode_tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """The Triton path of mxfp4_moe (also on CPU tensors under TRITON_INTERPRET=1).
 
-    ``tiles`` overrides the regime; ``out`` [T, H] (rows contiguous) receives the result;
-    ``poison`` fills the float scratch buffers with NaN so that a read of anything unwritten
-    shows (tests). The weights must be contiguous, as MoeWeights.from_checkpoint makes them.
+    ``tiles`` forces the grouped path with those tiles; else T ≤ DECODE_MAX_TOKENS takes the
+    decode path (``decode_tiles`` overrides its launch shapes). ``out`` [T, H] (rows
+    contiguous) receives the result; ``poison`` fills the float scratch buffers with NaN so that
+    a read of anything unwritten shows (tests). The weights must be contiguous, as
+    MoeWeights.from_checkpoint makes them.
     """
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
+    if tiles is None and _use_decode_path(x.shape[0], weights):
+        return mxfp4_moe_decode(
+            x, weights, top_k=top_k, alpha=alpha, limit=limit, tiles=decode_tiles, out=out,
+            poison=poison,
+        ).out  # fmt: skip
     tiles = tiles or tiles_for(x.shape[0], weights.num_experts, top_k)
     _, routing_weights, grouping = route_triton(x, weights, top_k=top_k, tiles=tiles)
     return _experts(
@@ -137,11 +148,17 @@ def moe_experts_triton(
     tiles: MoeTiles | None = None,
     out: torch.Tensor | None = None,
     poison: bool = False,
+    decode_tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """The expert half with the routing given: expert_ids/routing_weights [T, k] -> [T, H].
 
     Tests feed it a routing computed once in fp32, so the GEMMs are checked without ties
-    flipping experts between two routings."""
+    flipping experts between two routings. Path choice as in mxfp4_moe_triton."""
+    if tiles is None and _use_decode_path(x.shape[0], weights):
+        return mxfp4_moe_decode(
+            x, weights, alpha=alpha, limit=limit, tiles=decode_tiles, out=out, poison=poison,
+            expert_ids=expert_ids, routing_weights=routing_weights,
+        ).out  # fmt: skip
     tiles = tiles or tiles_for(x.shape[0], weights.num_experts, expert_ids.shape[1])
     expert_ids = expert_ids.to(torch.int32).contiguous()
     grouping = group_pairs(expert_ids, weights.num_experts, tiles)
@@ -150,6 +167,12 @@ def moe_experts_triton(
         x, weights, flat_weights, grouping,
         tiles=tiles, alpha=alpha, limit=limit, out=out, poison=poison,
     )  # fmt: skip
+
+
+def _use_decode_path(num_tokens: int, weights: MoeWeights) -> bool:
+    """Few tokens, and expert blocks the decode path can read as 16-byte words."""
+    aligned = all(t.data_ptr() % 16 == 0 for t in (weights.gate_up_blocks, weights.down_blocks))
+    return num_tokens <= DECODE_MAX_TOKENS and aligned
 
 
 def route_triton(

@@ -6,9 +6,14 @@ expert MLP in plain torch.
     logits = x @ Wr^T + br (fp32); the k largest per token; w = softmax over those k;
     out[t] = Σ_k w[t,k] · (SwiGLU(x[t] @ Wgu[e]^T + bgu[e]) @ Wd[e]^T + bd[e]),  e = ids[t,k].
 
-On CUDA it runs the Triton kernels (_moe_triton.py: routing, grouping of the T·k (token, slot)
-pairs by expert, two grouped GEMMs that dequantize MXFP4 in registers, an ordered top-k sum);
-elsewhere the plain-torch reference at the bottom of this module.
+On CUDA it runs the Triton kernels; elsewhere the plain-torch reference at the bottom of this
+module. Two Triton paths (_moe_triton.py picks by T):
+
+- decode, T ≤ 16 (_moe_small.py): router logits; a gate_up GEMV per (token, slot) pair that
+  takes its expert from the top-k; a down GEMV per token that sums its k experts in-program.
+  Three launches, the MXFP4 decoded straight into the MMA's registers (_moe_gemv.py).
+- grouped, larger T: routing, grouping of the T·k (token, slot) pairs by expert, two grouped
+  GEMMs that dequantize MXFP4 in registers, an ordered top-k sum.
 
 Cost per call, for the benchmark (``mxfp4_moe_bytes``, ``mxfp4_moe_flops``):
 

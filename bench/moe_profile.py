@@ -1,0 +1,276 @@
+"""MoE decode-path profile on the GPU (H200): the time, bytes and TB/s of every stage at
+T = 1..64, the grouped path's stages beside them, and a sweep of the decode tiles.
+
+    python bench/moe_profile.py [--out bench/results/moe_profile.json]
+                                [--tokens 1,2,4,8,16,32,64] [--sweep-tokens 1,4,16] [--quick]
+
+Random 120b-shaped weights drawn on the GPU (E = 128, H = I = 2880, top-4). Every figure is the
+median of CUDA-graph replays of 36 calls on 36 different random inputs (36 layers' worth of
+calls, so the experts change from call to call), as in bench/kernels.py. Bytes: the distinct
+experts' blocks + scales + biases that the stage reads (gate_up: 2I rows, down: H rows), the
+router's 0.74 MB; TB/s = bytes / median time. The copy ceiling is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from gpu_model import _normal, random_moe_weights
+
+from gptoss_serve.checkpoint.presets import preset_config
+from gptoss_serve.config import ModelConfig
+from gptoss_serve.kernels import _moe_small as small
+from gptoss_serve.kernels import _moe_triton as grouped
+from gptoss_serve.kernels.moe import MoeWeights, route, router_logits_reference
+from kernels import commit, copy_tbps, graph_time_ms
+
+logger = logging.getLogger("bench.moe_profile")
+CALLS = 36
+TOP_K = 4
+DEVICE = "cuda"
+# (rows, split, warps, stages) of gate_up and down: the defaults first, then the alternatives.
+GATE_UP_VARIANTS = [
+    (32, 2, 2, 4), (64, 1, 2, 4), (32, 2, 2, 6), (16, 2, 1, 4), (32, 2, 4, 4), (64, 2, 2, 4),
+    (16, 4, 2, 4), (128, 1, 4, 4),
+]  # fmt: skip
+DOWN_VARIANTS = [
+    (8, 2, 2, 4), (16, 1, 2, 4), (8, 2, 2, 6), (4, 2, 1, 4), (8, 2, 4, 4), (16, 2, 4, 4),
+    (4, 1, 1, 4),
+]  # fmt: skip
+
+
+@dataclasses.dataclass
+class Case:
+    """36 inputs of T tokens and their decode-path intermediates (one set of buffers each)."""
+
+    xs: list[torch.Tensor]
+    logits: list[torch.Tensor]
+    x_thread: list[torch.Tensor]
+    ids: list[torch.Tensor]
+    gates: list[torch.Tensor]
+    h: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    distinct: float  # mean distinct experts per call (reference routing)
+
+
+def make_case(weights: MoeWeights, tokens: int) -> Case:
+    h_dim, i_dim, e = weights.hidden_size, weights.intermediate_size, weights.num_experts
+    xs = [_normal((tokens, h_dim), 1.0, DEVICE) for _ in range(CALLS)]
+
+    def empty(*shape: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(CALLS)]
+
+    case = Case(
+        xs,
+        empty(tokens, e, dtype=torch.float32),
+        empty(tokens, h_dim, dtype=torch.bfloat16),
+        empty(tokens, TOP_K, dtype=torch.int32),
+        empty(tokens, TOP_K, dtype=torch.float32),
+        empty(tokens * TOP_K, i_dim, dtype=torch.bfloat16),
+        empty(tokens, h_dim, dtype=torch.bfloat16),
+        statistics.mean(
+            torch.unique(route(router_logits_reference(x, weights), TOP_K)[1]).numel() for x in xs
+        ),
+    )
+    tiles = small.decode_tiles_for(tokens)
+    for i in range(CALLS):  # fill every intermediate once, so each stage can run alone
+        small.launch_router(xs[i], weights, case.logits[i], case.x_thread[i], tiles)
+        small.launch_gate_up(
+            weights, case.x_thread[i], case.logits[i], case.ids[i], case.gates[i],
+            h=case.h[i], tiles=tiles,
+        )  # fmt: skip
+    torch.cuda.synchronize()
+    return case
+
+
+def stage_bytes(weights: MoeWeights, case: Case) -> dict[str, float]:
+    h, i, e = weights.hidden_size, weights.intermediate_size, weights.num_experts
+    gate_up = case.distinct * 2 * i * (h // 2 + h // 32 + 2)
+    down = case.distinct * h * (i // 2 + i // 32 + 2)
+    router = 2 * e * h + 2 * e
+    return {"router": router, "gate_up": gate_up, "down": down, "total": router + gate_up + down}
+
+
+def timed(fn: Callable[[int], object]) -> float:
+    """Median µs per call of ``fn(i)`` over graph replays of the 36 calls."""
+    times = graph_time_ms(lambda: [fn(i) for i in range(CALLS)], calls=CALLS, repeats=20)
+    return statistics.median(times) * 1e3
+
+
+def decode_stages(weights: MoeWeights, case: Case, tiles: small.DecodeTiles) -> dict[str, float]:
+    return {
+        "router": timed(
+            lambda i: small.launch_router(
+                case.xs[i], weights, case.logits[i], case.x_thread[i], tiles
+            )
+        ),
+        "gate_up": timed(lambda i: gate_up(weights, case, i, tiles)),
+        "down": timed(lambda i: down(weights, case, i, tiles)),
+        "total": timed(lambda i: small.mxfp4_moe_decode(case.xs[i], weights, tiles=tiles)),
+    }
+
+
+def gate_up(weights: MoeWeights, case: Case, i: int, tiles: small.DecodeTiles) -> None:
+    small.launch_gate_up(
+        weights, case.x_thread[i], case.logits[i], case.ids[i], case.gates[i],
+        h=case.h[i], tiles=tiles,
+    )  # fmt: skip
+
+
+def down(weights: MoeWeights, case: Case, i: int, tiles: small.DecodeTiles) -> None:
+    small.launch_down(weights, case.h[i], case.ids[i], case.gates[i], out=case.outs[i], tiles=tiles)
+
+
+def grouped_stages(weights: MoeWeights, case: Case) -> dict[str, float]:
+    tokens = case.xs[0].shape[0]
+    tiles = grouped.tiles_for(tokens, weights.num_experts)
+    return {
+        "route": timed(
+            lambda i: grouped.route_triton(case.xs[i], weights, top_k=TOP_K, tiles=tiles)
+        ),
+        "experts": timed(
+            lambda i: grouped.moe_experts_triton(
+                case.xs[i], weights, case.ids[i], case.gates[i], tiles=tiles
+            )
+        ),
+        "total": timed(
+            lambda i: grouped.mxfp4_moe_triton(case.xs[i], weights, top_k=TOP_K, tiles=tiles)
+        ),
+    }
+
+
+def max_rel_vs_grouped(weights: MoeWeights, case: Case) -> float:
+    """Sanity: the decode path against the grouped one on the same routing (bf16-level)."""
+    x, ids, gates = case.xs[0], case.ids[0], case.gates[0]
+    tiles = grouped.tiles_for(x.shape[0], weights.num_experts)
+    old = grouped.moe_experts_triton(x, weights, ids, gates, tiles=tiles).double()
+    new = small.mxfp4_moe_decode(x, weights, expert_ids=ids, routing_weights=gates).out.double()
+    return ((new - old).abs().max() / old.abs().max()).item()
+
+
+def variant_tiles(gate_up_shape=None, down_shape=None, base=None) -> small.DecodeTiles:
+    tiles = base or small.DecodeTiles()
+    if gate_up_shape:
+        rows, split, warps, stages = gate_up_shape
+        tiles = dataclasses.replace(
+            tiles, gate_up_rows=rows, gate_up_split=split, gate_up_warps=warps,
+            gate_up_stages=stages,
+        )  # fmt: skip
+    if down_shape:
+        rows, split, warps, stages = down_shape
+        tiles = dataclasses.replace(
+            tiles, down_rows=rows, down_split=split, down_warps=warps, down_stages=stages
+        )
+    return tiles
+
+
+def sweep(weights: MoeWeights, case: Case, nbytes: dict, rows: list, report: list) -> dict:
+    """Time every gate_up and down variant alone; returns the best DecodeTiles (as a dict)."""
+    tokens = case.xs[0].shape[0]
+    best: dict[str, tuple[float, tuple]] = {}
+    for stage, variants in (("gate_up", GATE_UP_VARIANTS), ("down", DOWN_VARIANTS)):
+        for shape in variants:
+            tiles = variant_tiles(shape if stage == "gate_up" else None,
+                                  shape if stage == "down" else None)  # fmt: skip
+            fn = gate_up if stage == "gate_up" else down
+            try:
+                us = timed(lambda i, fn=fn, tiles=tiles: fn(weights, case, i, tiles))
+            except Exception:  # a variant that does not build or launch: report, go on
+                logger.exception("variant %s %s failed", stage, shape)
+                report.append({"stage": stage, "tokens": tokens, "variant": shape, "error": True})
+                continue
+            tbps = nbytes[stage] / (us * 1e-6) / 1e12
+            note = "rows,split,warps,stages=" + ",".join(map(str, shape))
+            rows.append((f"sweep {stage}", tokens, us, nbytes[stage], tbps, note))
+            report.append({"stage": stage, "tokens": tokens, "variant": shape, "us": us,
+                           "tbps": tbps})  # fmt: skip
+            if stage not in best or us < best[stage][0]:
+                best[stage] = (us, shape)
+    tiles = variant_tiles(best["gate_up"][1], best["down"][1])
+    totals = {}
+    for pdl in (False, True):  # programmatic dependent launch: down overlaps gate_up's tail
+        candidate = dataclasses.replace(tiles, pdl=pdl)
+        try:
+            us = timed(lambda i, c=candidate: small.mxfp4_moe_decode(case.xs[i], weights, tiles=c))
+        except Exception:
+            logger.exception("total with pdl=%s failed", pdl)
+            continue
+        totals[pdl] = us
+        rows.append((f"decode total, best tiles{', pdl' if pdl else ''}", tokens, us,
+                     nbytes["total"], nbytes["total"] / (us * 1e-6) / 1e12, ""))  # fmt: skip
+    if totals:
+        tiles = dataclasses.replace(tiles, pdl=min(totals, key=totals.get))
+    return dataclasses.asdict(tiles)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    default_out = Path(__file__).parent / "results/moe_profile.json"
+    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    parser.add_argument("--sweep-tokens", default="1,4,16")
+    parser.add_argument("--quick", action="store_true", help="no copy ceiling, no grouped path")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh data every run
+    config = ModelConfig.from_dict(preset_config("120b"))
+    weights = random_moe_weights(config)
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "commit": commit(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "copy_tbps": None if args.quick else round(copy_tbps(), 3),
+        "stages": [], "sweep": [], "best_tiles": {}, "max_rel_vs_grouped": {},
+    }  # fmt: skip
+    rows: list[tuple[str, int, float, float, float, str]] = []
+    sweep_tokens = {int(t) for t in args.sweep_tokens.split(",") if t}
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        logger.info("T = %d", tokens)
+        case = make_case(weights, tokens)
+        nbytes = stage_bytes(weights, case)
+        results["max_rel_vs_grouped"][tokens] = max_rel_vs_grouped(weights, case)
+        tiles = small.decode_tiles_for(tokens)
+        for stage, us in decode_stages(weights, case, tiles).items():
+            rows.append((f"decode {stage}", tokens, us, nbytes[stage],
+                         nbytes[stage] / (us * 1e-6) / 1e12, ""))  # fmt: skip
+        if not args.quick:
+            old_bytes = {"route": nbytes["router"], "experts": nbytes["total"] - nbytes["router"]}
+            old_bytes["total"] = nbytes["total"]
+            for stage, us in grouped_stages(weights, case).items():
+                rows.append((f"grouped {stage}", tokens, us, old_bytes[stage],
+                             old_bytes[stage] / (us * 1e-6) / 1e12, ""))  # fmt: skip
+        if tokens in sweep_tokens:
+            results["best_tiles"][tokens] = sweep(weights, case, nbytes, rows, results["sweep"])
+        del case
+        torch.cuda.empty_cache()
+    results["stages"] = [
+        {"stage": s, "tokens": t, "us": round(us, 2), "bytes": int(b), "tbps": round(r, 3),
+         "note": n}
+        for s, t, us, b, r, n in rows
+    ]  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    out = sys.stdout
+    out.write(f"\n{results['device']}  commit {results['commit'][:10]}  {results['date']}  ")
+    out.write(f"copy ceiling {results['copy_tbps']} TB/s\n")
+    out.write(f"{'stage':32} {'T':>3} {'us':>9} {'MB':>8} {'TB/s':>6}  note\n")
+    for stage, tokens, us, nbytes, tbps, note in rows:
+        out.write(f"{stage:32} {tokens:3d} {us:9.2f} {nbytes / 1e6:8.2f} {tbps:6.3f}  {note}\n")
+    out.write(f"decode vs grouped, max_rel: {results['max_rel_vs_grouped']}\n")
+    for tokens, tiles in results["best_tiles"].items():
+        out.write(f"best tiles T={tokens}: {tiles}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Triton kernels of the decode-path MoE (few tokens): three launches, no host sync.
+
+1. ``_router_kernel``: fp32 router logits [T, E], one program per BLOCK_E experts (the 0.74 MB
+   router read spread over the SMs); the programs also write x in thread order (_moe_gemv.py)
+   for the GEMVs.
+2. ``_gate_up_kernel``: one program per (pair p = (token, slot), BN-row tile of the 2I gate/up
+   rows). It takes its expert from the token's top-k (recomputed from the logits, exact and
+   cheap: 128 values), streams the expert's rows through the MXFP4 GEMV and applies bias and the
+   clamped SwiGLU; h [P, I] bf16 is stored in thread order for the down GEMV. The tile-0
+   programs write the pair's expert id and routing weight.
+3. ``_down_kernel``: one program per (token, BR-row tile of H). Its GEMV tile stacks the BR rows
+   of each of the token's k experts (k·BR rows), the k activation columns are the pairs' h, and
+   row (e, r) keeps column e; bias, routing weight and the sum over the k experts (a fixed
+   reduction tree: deterministic) follow in registers, out [T, H] bf16.
+
+PDL (programmatic dependent launch, optional): gate_up and down are launched so that they can
+start while their predecessor still runs; gate_up waits (griddepcontrol.wait) before it reads
+the logits, and lets down launch at once. Down then finds its experts from the logits (the
+router finished before any gate_up program passed its wait), asks L2 to prefetch their weight
+rows while gate_up streams, and waits for gate_up before it reads h and the routing.
+"""
+
+# Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
+# ruff: noqa: N803, N806, PLR0917
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gptoss_serve.kernels._moe_common import _to_bf16
+from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _tile_slots
+from gptoss_serve.kernels._moe_routing import _topk_softmax
+
+
+@triton.jit
+def _thread_order(x, BK: tl.constexpr):
+    """[R, BK] -> the same values in thread order: in each block of 8, position j holds element
+    j with bits 0 and 2 exchanged."""
+    x = tl.reshape(x, [x.shape[0], BK // 8, 2, 2, 2])
+    return tl.reshape(tl.permute(x, (0, 1, 4, 3, 2)), [x.shape[0], BK])
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, weight_ptr, bias_ptr, logits_ptr, x_thread_ptr, num_tokens, stride_x,
+    H: tl.constexpr, E: tl.constexpr, T_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """logits [T, E] fp32 = x @ Wr^T + br for BLOCK_E experts; x_thread [T, H] bf16 for the
+    BLOCK_K chunks c with c % num_programs == program (each chunk written once)."""
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    experts = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    tokens = tl.arange(0, T_PAD)
+    token_mask = tokens < num_tokens
+    acc = tl.zeros([T_PAD, BLOCK_E], tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < H
+        x = tl.load(
+            x_ptr + tokens[:, None] * stride_x + ks[None, :],
+            mask=token_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            weight_ptr + experts[:, None] * H + ks[None, :],
+            mask=(experts < E)[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if (k0 // BLOCK_K) % tl.num_programs(0) == pid:
+            tl.store(
+                x_thread_ptr + tokens[:, None] * H + ks[None, :],
+                _thread_order(x, BLOCK_K),
+                mask=token_mask[:, None] & k_mask[None, :],
+            )
+    bias = tl.load(bias_ptr + experts, mask=experts < E, other=0.0).to(tl.float32)
+    mask = token_mask[:, None] & (experts < E)[None, :]
+    tl.store(logits_ptr + tokens[:, None] * E + experts[None, :], acc + bias[None, :], mask=mask)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes):
+    """Ask L2 to fetch ``nbytes`` (int32, a multiple of 16; 0: nothing) from each pointer."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0;"
+        " @p cp.async.bulk.prefetch.L2.global [$1], $2; }",
+        "=r,l,r",
+        [ptrs, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _token_routing(logits_ptr, token, E: tl.constexpr, TOP_K: tl.constexpr):
+    """(expert ids [K_PAD] int32, routing weights [K_PAD] fp32) of one token from its logits."""
+    E_PAD: tl.constexpr = triton.next_power_of_2(E)
+    K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
+    experts = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + token * E + experts, mask=experts < E, other=float("-inf"))
+    ids, weights = _topk_softmax(logits[None, :], TOP_K, K_PAD)
+    return tl.reshape(ids, [K_PAD]), tl.reshape(weights, [K_PAD])
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_thread_ptr, logits_ptr, expert_ids_ptr, routing_weights_ptr,
+    blocks_ptr, scales_ptr, bias_ptr, h_ptr, num_pairs, alpha, limit,
+    H: tl.constexpr, N: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
+    ROUTED: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr,
+    STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """h[p, :] (thread order, bf16 [P, N/2]) for R = BN/SPLIT rows [n0, n0 + R) of the pair's
+    expert. The K columns are split in SPLIT parts of SPLIT_GROUPS groups: tile row s·R + r
+    reads part s of row n0 + r against activation column s, so more warps share a row tile.
+
+    ROUTED: expert ids and weights [P] are given; else from the logits, and written here."""
+    R: tl.constexpr = BN // SPLIT
+    G: tl.constexpr = H // 32
+    pair = tl.program_id(0) % num_pairs
+    col_block = tl.program_id(0) // num_pairs  # pairs fastest: concurrent programs share rows
+    token = pair // TOP_K
+    if PDL:
+        gdc_wait()  # the router's logits and x_thread
+        gdc_launch_dependents()
+    if ROUTED:
+        expert = tl.load(expert_ids_ptr + pair)
+    else:
+        ids, weights = _token_routing(logits_ptr, token, E, TOP_K)
+        slots = tl.arange(0, ids.shape[0])
+        expert = tl.sum(tl.where(slots == pair % TOP_K, ids, 0), axis=0)
+        if col_block == 0:
+            tl.store(expert_ids_ptr + pair, expert)
+            weight = tl.sum(tl.where(slots == pair % TOP_K, weights, 0.0), axis=0)
+            tl.store(routing_weights_ptr + pair, weight)
+    n0 = col_block * R
+    rows, t = _tile_slots(BN)
+    part = rows // R
+    row = n0 + rows % R
+    row_groups = tl.where(row < N, G - part * SPLIT_GROUPS, 0)
+    row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
+    expert = expert.to(tl.int64)
+    first_group = part * SPLIT_GROUPS + t
+    block_rows = blocks_ptr + expert * (N * H // 2) + row * (H // 2) + 16 * first_group
+    scale_rows = scales_ptr + expert * (N * H // 32) + row * G + first_group
+    # 8 activation columns (one n8 MMA), column c holding part c % SPLIT: each lane loads
+    # just its own column, and the load matches the MMA operand's lanes (no shuffle).
+    cols = tl.arange(0, 8)
+    col_part = cols % SPLIT
+    col_ptrs = x_thread_ptr + token * H + col_part * (32 * SPLIT_GROUPS)
+    acc = _mxfp4_gemv(
+        block_rows, scale_rows, row_groups, t, col_ptrs, G - col_part * SPLIT_GROUPS,
+        BN, STEPS, FULL_STEPS, NUM_STAGES, PTX, INTERPRET,
+    )  # fmt: skip
+    keep = (tl.arange(0, BN) // R)[:, None] == cols[None, :]  # row s·R + r: column s
+    y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)
+    out_rows = n0 + tl.arange(0, R)
+    bias = tl.load(bias_ptr + expert * N + out_rows, mask=out_rows < N, other=0.0)
+    y = y * ACC_SCALE + bias.to(tl.float32)
+    gate, up = tl.split(tl.reshape(y, [R // 2, 2]))  # rows interleaved: 2j gate j, 2j+1 up j
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = _to_bf16(gate * tl.sigmoid(alpha * gate) * (up + 1.0), INTERPRET)
+    units = n0 // 2 + tl.arange(0, R // 2)  # units j, stored at their thread-order position
+    position = (units & ~7) | ((units & 1) << 2) | (units & 2) | ((units >> 2) & 1)
+    tl.store(h_ptr + pair * (N // 2) + position, h, mask=units < N // 2)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, logits_ptr, expert_ids_ptr, routing_weights_ptr, blocks_ptr, scales_ptr, bias_ptr,
+    out_ptr, stride_out,
+    N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BR: tl.constexpr,
+    SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr, STEPS: tl.constexpr,
+    FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """out[token, n0 : n0 + BR] = Σ_e w_e · (h_e @ W_down[e][rows]^T + b_e), bf16 (K = I).
+
+    Tile row (e·SPLIT + s)·BR + r reads part s of the K columns of row n0 + r of the token's
+    e-th expert; its activation column is c = e·SPLIT + s (the pair's h, part s)."""
+    K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
+    BN: tl.constexpr = K_PAD * SPLIT * BR
+    G: tl.constexpr = K // 32
+    token = tl.program_id(0)
+    n0 = tl.program_id(1) * BR
+    slots = tl.arange(0, K_PAD)
+    slot_mask = slots < TOP_K
+    if PDL:  # gate_up may still run: the experts from the logits, their rows into L2
+        early_ids, _ = _token_routing(logits_ptr, token, E, TOP_K)
+        rows = n0 + tl.arange(0, BR)
+        row_ptrs = blocks_ptr + early_ids.to(tl.int64)[:, None] * (N * K // 2)
+        row_ptrs += rows[None, :] * (K // 2)
+        _prefetch_l2(row_ptrs, (K // 2) * (slot_mask[:, None] & (rows < N)[None, :]))
+        gdc_wait()  # h, and the same routing as written by gate_up
+    ids = tl.load(expert_ids_ptr + token * TOP_K + slots, mask=slot_mask, other=0).to(tl.int64)
+    weights = tl.load(routing_weights_ptr + token * TOP_K + slots, mask=slot_mask, other=0.0)
+    rows, t = _tile_slots(BN)
+    column = rows // BR
+    slot = column // SPLIT
+    part = column % SPLIT
+    row = n0 + rows % BR
+    row_groups = tl.where((row < N) & (slot < TOP_K), G - part * SPLIT_GROUPS, 0)
+    row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
+    row_expert = tl.sum(tl.where(slot[:, None] == slots[None, :], ids[None, :], 0), 1)
+    first_group = part * SPLIT_GROUPS + t
+    block_rows = blocks_ptr + row_expert * (N * K // 2) + row * (K // 2) + 16 * first_group
+    scale_rows = scales_ptr + row_expert * (N * K // 32) + row * G + first_group
+    # At least 8 activation columns (one n8 MMA; each lane loads its own column): column c is
+    # part c % SPLIT of slot c // SPLIT, wrapped; padding slots read slot TOP_K - 1.
+    cols = tl.arange(0, max(8, K_PAD * SPLIT))
+    col_slot = (cols // SPLIT) % K_PAD
+    col_part = cols % SPLIT
+    col_ptrs = h_ptr + (token * TOP_K + tl.minimum(col_slot, TOP_K - 1)) * K
+    col_ptrs += col_part * (32 * SPLIT_GROUPS)
+    col_groups = tl.where(col_slot < TOP_K, G - col_part * SPLIT_GROUPS, 0)
+    acc = _mxfp4_gemv(
+        block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
+        BN, STEPS, FULL_STEPS, NUM_STAGES, PTX, INTERPRET,
+    )  # fmt: skip
+    keep = (tl.arange(0, BN) // BR)[:, None] == cols[None, :]  # tile row: its own column
+    y = tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [K_PAD, SPLIT, BR])
+    y = tl.sum(y, axis=1) * ACC_SCALE  # [K_PAD, BR]
+    out_cols = n0 + tl.arange(0, BR)
+    bias = tl.load(
+        bias_ptr + ids[:, None] * N + out_cols[None, :],
+        mask=slot_mask[:, None] & (out_cols < N)[None, :],
+        other=0.0,
+    )
+    y = (y + bias.to(tl.float32)) * weights[:, None]
+    out = tl.sum(y, axis=0)  # the k experts, in a fixed order
+    tl.store(out_ptr + token * stride_out + out_cols, _to_bf16(out, INTERPRET), mask=out_cols < N)

@@ -1,0 +1,256 @@
+"""Host side of the decode-path MXFP4 MoE (T ≤ DECODE_MAX_TOKENS): tiles, buffers, 3 launches.
+
+    _router_kernel   logits [T, E] fp32, x in thread order        (E / router_experts programs)
+    _gate_up_kernel  top-k from the logits; h [T·k, I] bf16          (T·k x 2I / gate_up_rows)
+    _down_kernel     out [T, H] = Σ_k w · (h @ Wd^T + bd), in-program (T x H / down_rows)
+
+No device-to-host sync and no atomics (CUDA-graph capturable, bitwise repeatable). Each
+(token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
+reads those rows more than once from L2 (not from HBM: the programs of one row tile run
+together, pairs fastest); past DECODE_MAX_TOKENS the grouped path of _moe_triton.py wins.
+See _moe_gemv.py for the tile layout and the decode, _moe_decode.py for the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from gptoss_serve.kernels import _moe_decode as decode
+from gptoss_serve.kernels import _moe_gemv as gemv
+from gptoss_serve.kernels.moe import MoeWeights
+
+DECODE_MAX_TOKENS = 16  # largest T routed to this path by mxfp4_moe_triton
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch shapes of the decode path (bench/moe_profile.py sweeps them). A GEMV tile has
+    rows x split rows of 128 columns (16, 32 or 64 per warp); ``split`` cuts the K columns in
+    parts that separate tile rows read in parallel, for more warps per weight row."""
+
+    gate_up_rows: int = 32  # gate/up rows per program (even)
+    gate_up_split: int = 2
+    gate_up_warps: int = 2
+    gate_up_stages: int = 4  # cp.async depth of the weight stream
+    down_rows: int = 8  # rows of H per program, for each of the k experts
+    down_split: int = 2  # k · split ≤ 8 keeps one n8 MMA per k-step
+    down_warps: int = 2
+    down_stages: int = 4
+    router_experts: int = 1  # experts per router program
+    router_block_k: int | None = None  # None: all of H in one step at T = 1, less as T grows
+    ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
+    pdl: bool = False  # programmatic dependent launch (_moe_decode.py); GPU, routing computed
+
+    def __post_init__(self) -> None:
+        # Triton tiles are powers of two; a GEMV tile is at least one 16-row MMA.
+        for name, rows in [
+            ("gate_up_rows · gate_up_split", self.gate_up_rows * self.gate_up_split),
+            ("down_rows · down_split", self.down_rows * self.down_split),
+        ]:
+            if rows & (rows - 1) or rows < (16 if name.startswith("gate") else 4):
+                raise ValueError(f"{name} must be a power of two ≥ 16 (down: · k), got {rows}")
+        if self.gate_up_rows < 2:
+            raise ValueError("gate_up_rows must cover a (gate, up) pair")
+
+
+# By token count (first entry with T ≤ its bound). At T = 1 the K split gives the SMs enough
+# warps (1440 for gate_up, 720 for down at 120b shapes, all resident at once); more tokens bring
+# their own programs. bench/moe_profile.py re-measures (its "best tiles" lines).
+DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
+    (1, DecodeTiles()),
+    (3, DecodeTiles(gate_up_rows=64, gate_up_split=1)),
+    (DECODE_MAX_TOKENS, DecodeTiles(gate_up_rows=64, gate_up_split=1, down_rows=16, down_split=1)),
+)
+
+
+def decode_tiles_for(num_tokens: int) -> DecodeTiles:
+    return next((t for n, t in DECODE_TILES if num_tokens <= n), DECODE_TILES[-1][1])
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    out: torch.Tensor  # [T, H] in x's dtype
+    expert_ids: torch.Tensor  # [T, k] int32
+    routing_weights: torch.Tensor  # [T, k] fp32
+    logits: torch.Tensor | None  # [T, E] fp32 (None when the routing was given)
+
+
+def thread_order(x: torch.Tensor) -> torch.Tensor:
+    """[T, H] -> the GEMVs' activation order: in each block of 8, bits 0 and 2 of the index
+    exchanged (an involution; _moe_gemv.py says why)."""
+    t, h = x.shape
+    return x.reshape(t, h // 8, 2, 2, 2).permute(0, 1, 4, 3, 2).reshape(t, h)
+
+
+def mxfp4_moe_decode(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    *,
+    top_k: int = 4,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    tiles: DecodeTiles | None = None,
+    out: torch.Tensor | None = None,
+    poison: bool = False,
+    expert_ids: torch.Tensor | None = None,
+    routing_weights: torch.Tensor | None = None,
+) -> DecodeResult:
+    """x [T, H] bf16 -> the MoE output; with ``expert_ids``/``routing_weights`` [T, k] given,
+    the router is skipped (tests feed a routing computed once in fp32).
+
+    ``tiles`` overrides ``decode_tiles_for(T)``; ``out`` [T, H] receives the result;
+    ``poison`` fills the scratch buffers with NaN."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the Triton MoE takes bf16 activations, got {x.dtype}")
+    tiles = tiles or decode_tiles_for(x.shape[0])
+    x = x.contiguous()
+    num_tokens, hidden = x.shape
+    device = x.device
+    if expert_ids is not None:
+        top_k = expert_ids.shape[1]
+        ids = expert_ids.to(torch.int32).contiguous()
+        gates = routing_weights.to(torch.float32).contiguous()
+        x_thread, logits = thread_order(x).contiguous(), None
+    else:
+        ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+        gates = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+        x_thread = _scratch((num_tokens, hidden), torch.bfloat16, device, poison)
+        logits = _scratch((num_tokens, weights.num_experts), torch.float32, device, poison)
+        launch_router(x, weights, logits, x_thread, tiles)
+    h = _scratch((num_tokens * top_k, weights.intermediate_size), torch.bfloat16, device, poison)
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
+    launch_gate_up(
+        weights, x_thread, logits, ids, gates, h=h, tiles=tiles, alpha=alpha, limit=limit
+    )
+    launch_down(weights, h, ids, gates, out=out, tiles=tiles, logits=logits)
+    return DecodeResult(out, ids, gates, logits)
+
+
+def launch_router(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    logits: torch.Tensor,
+    x_thread: torch.Tensor,
+    tiles: DecodeTiles,
+) -> None:
+    """x [T, H] -> logits [T, E] fp32 and x_thread [T, H] (thread order)."""
+    num_tokens, hidden = x.shape
+    block_e = tiles.router_experts
+    # The router's latency is its chain of loads: one step when x fits in registers.
+    block_k = tiles.router_block_k or max(256, min(_pow2(hidden), 4096 // _pow2(num_tokens)))
+    decode._router_kernel[(triton.cdiv(weights.num_experts, block_e),)](
+        x, weights.router_weight, weights.router_bias, logits, x_thread, num_tokens, x.stride(0),
+        H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens), BLOCK_E=block_e,
+        BLOCK_K=block_k, PDL=tiles.pdl and not _interpreting(), num_warps=4,
+    )  # fmt: skip
+
+
+def launch_gate_up(
+    weights: MoeWeights,
+    x_thread: torch.Tensor,
+    logits: torch.Tensor | None,
+    ids: torch.Tensor,
+    gates: torch.Tensor,
+    *,
+    h: torch.Tensor,
+    tiles: DecodeTiles,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> None:
+    """h [T·k, I] (thread order) from x_thread; the top-k from ``logits`` (written to ``ids``
+    and ``gates`` [T, k]), or read from ``ids`` when ``logits`` is None."""
+    num_tokens, hidden = x_thread.shape
+    top_k, inter = ids.shape[1], weights.intermediate_size
+    num_pairs = num_tokens * top_k
+    pdl = _pdl(tiles, logits)
+    rows, split = tiles.gate_up_rows, tiles.gate_up_split
+    decode._gate_up_kernel[(num_pairs * triton.cdiv(2 * inter, rows),)](
+        x_thread, gates if logits is None else logits, ids, gates,
+        weights.gate_up_blocks, weights.gate_up_scales, weights.gate_up_bias, h,
+        num_pairs, alpha, limit,
+        H=hidden, N=2 * inter, E=weights.num_experts, TOP_K=top_k, ROUTED=logits is None,
+        BN=rows * split, SPLIT=split, **split_plan(hidden, split),
+        NUM_STAGES=tiles.gate_up_stages, PTX=tiles.ptx and not _interpreting(), PDL=pdl,
+        INTERPRET=_interpreting(), num_warps=tiles.gate_up_warps,
+        num_stages=tiles.gate_up_stages, launch_pdl=pdl,
+    )  # fmt: skip
+
+
+def launch_down(
+    weights: MoeWeights,
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    gates: torch.Tensor,
+    *,
+    out: torch.Tensor,
+    tiles: DecodeTiles,
+    logits: torch.Tensor | None = None,
+) -> None:
+    """out [T, H] = Σ_k gates · (h @ Wd[ids]^T + bd[ids]), the k experts summed in-program
+    (with PDL, the experts' rows are prefetched to L2 from the routing in ``logits``)."""
+    num_tokens, top_k = ids.shape
+    pdl = _pdl(tiles, logits)
+    hidden, inter = weights.hidden_size, weights.intermediate_size
+    rows, split = tiles.down_rows, tiles.down_split
+    if _pow2(top_k) * split * rows < 16:
+        raise ValueError(f"k · down_split · down_rows must be at least 16, got {tiles}")
+    decode._down_kernel[(num_tokens, triton.cdiv(hidden, rows))](
+        h, gates if logits is None else logits, ids, gates,
+        weights.down_blocks, weights.down_scales, weights.down_bias, out, out.stride(0),
+        N=hidden, K=inter, E=weights.num_experts, TOP_K=top_k, BR=rows, SPLIT=split,
+        **split_plan(inter, split), NUM_STAGES=tiles.down_stages,
+        PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
+    )  # fmt: skip
+
+
+def split_plan(k: int, split: int) -> dict[str, int]:
+    """K columns in ``split`` parts of whole 128-column steps: part s starts at group
+    s · SPLIT_GROUPS; every part runs STEPS steps, the first FULL_STEPS of which are in range
+    for all parts (no masks). K = 2880 (90 groups): split 1 is 22 full + 1 half step, split 2 is
+    parts of 48 and 42 groups, 10 full steps + 2 partial (24 steps issued for 22.5 of data)."""
+    groups = k // 32
+    steps = _cdiv(_cdiv(groups, split), 4)
+    split_groups = 4 * steps
+    full = max(0, (groups - (split - 1) * split_groups) // 4)
+    return {"SPLIT_GROUPS": split_groups, "STEPS": steps, "FULL_STEPS": full}
+
+
+def decode_debug(blocks: torch.Tensor, scales: torch.Tensor, *, ptx: bool = True) -> torch.Tensor:
+    """Debug: the GEMV decode of each row's first group, [N, 16] bytes + [N] scales -> bf16
+    [N, 32] in tile order (column 8q + 4m + 2p + h holds element 8q + 2m + p + 4h), times
+    2^-62 like the tile."""
+    num_rows = blocks.shape[0]
+    out = torch.empty(num_rows, 32, dtype=torch.bfloat16, device=blocks.device)
+    gemv._decode_debug_kernel[(triton.cdiv(num_rows, 16),)](
+        blocks.contiguous(), scales.contiguous(), out, num_rows, PTX=ptx and not _interpreting()
+    )
+    return out
+
+
+def _pdl(tiles: DecodeTiles, logits: torch.Tensor | None) -> bool:
+    """PDL needs the logits (down recomputes the routing) and a GPU."""
+    return tiles.pdl and logits is not None and not _interpreting()
+
+
+def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device, poison: bool) -> torch.Tensor:
+    if poison:
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
