@@ -2,7 +2,7 @@
 T = 1..64, the grouped path's stages beside them, and a sweep of the decode tiles.
 
     python bench/moe_profile.py [--out bench/results/moe_profile.json]
-                                [--tokens 1,2,4,8,16,32,64] [--sweep-tokens 1,4,16] [--quick]
+                                [--tokens 1,2,4,8,16,32,64] [--sweep-tokens 1,4,16,64] [--quick]
 
 Random 120b-shaped weights drawn on the GPU (E = 128, H = I = 2880, top-4). Every figure is the
 median of CUDA-graph replays of 36 calls on 36 different random inputs (36 layers' worth of
@@ -218,7 +218,7 @@ def main() -> int:
     default_out = Path(__file__).parent / "results/moe_profile.json"
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
-    parser.add_argument("--sweep-tokens", default="1,4,16")
+    parser.add_argument("--sweep-tokens", default="1,4,16,64")
     parser.add_argument("--quick", action="store_true", help="no copy ceiling, no grouped path")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -267,6 +267,11 @@ def main() -> int:
     for stage, tokens, us, nbytes, tbps, note in rows:
         out.write(f"{stage:32} {tokens:3d} {us:9.2f} {nbytes / 1e6:8.2f} {tbps:6.3f}  {note}\n")
     out.write(f"decode vs grouped, max_rel: {results['max_rel_vs_grouped']}\n")
+    totals = {(r["stage"], r["tokens"]): r["us"] for r in results["stages"]}
+    for tokens in sorted({t for _, t in totals}):
+        new, old = totals.get(("decode total", tokens)), totals.get(("grouped total", tokens))
+        if new and old:  # where DECODE_MAX_TOKENS should sit
+            out.write(f"T={tokens}: decode path {new:.1f} us, grouped {old:.1f} us\n")
     for tokens, tiles in results["best_tiles"].items():
         out.write(f"best tiles T={tokens}: {tiles}\n")
     return 0
