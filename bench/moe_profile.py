@@ -3,6 +3,7 @@ T = 1..64, the grouped path's stages beside them, and a sweep of the decode tile
 
     python bench/moe_profile.py [--out bench/results/moe_profile.json]
                                 [--tokens 1,2,4,8,16,32,64] [--sweep-tokens 1,4,16,64] [--quick]
+    ncu ... python bench/moe_profile.py --ncu default,u2,u4    (launches only; see ncu_launches)
 
 Random 120b-shaped weights drawn on the GPU (E = 128, H = I = 2880, top-4). Every figure is the
 median of CUDA-graph replays of 36 calls on 36 different random inputs (36 layers' worth of
@@ -38,14 +39,17 @@ logger = logging.getLogger("bench.moe_profile")
 CALLS = 36
 TOP_K = 4
 DEVICE = "cuda"
-# (rows, split, warps, stages) of gate_up and down: the defaults first, then the alternatives.
+# (rows, split, warps, stages, unroll) of gate_up and down: the defaults first, then the
+# alternatives. v2 (commit d6597e1) measured the first eight of each at unroll 1: 1-warp
+# programs and 1-tile-per-warp ones lose; unroll > 1 asks HBM for 64·unroll contiguous bytes of
+# a row at once (at T ≥ 4 both kernels sat at ~2.0 TB/s of HBM whatever the tile).
 GATE_UP_VARIANTS = [
-    (32, 2, 2, 4), (64, 1, 2, 4), (32, 2, 2, 6), (16, 2, 1, 4), (32, 2, 4, 4), (64, 2, 2, 4),
-    (16, 4, 2, 4), (128, 1, 4, 4),
+    (32, 2, 2, 4, 1), (64, 2, 2, 4, 1), (64, 1, 2, 4, 1), (32, 2, 2, 3, 2), (32, 2, 2, 2, 4),
+    (64, 1, 2, 3, 2), (64, 1, 2, 2, 4), (64, 2, 2, 2, 2), (128, 1, 4, 3, 2), (16, 4, 2, 3, 2),
 ]  # fmt: skip
 DOWN_VARIANTS = [
-    (8, 2, 2, 4), (16, 1, 2, 4), (8, 2, 2, 6), (4, 2, 1, 4), (8, 2, 4, 4), (16, 2, 4, 4),
-    (4, 1, 1, 4),
+    (8, 2, 2, 4, 1), (8, 2, 4, 4, 1), (16, 1, 2, 4, 1), (16, 2, 4, 4, 1), (8, 2, 2, 3, 2),
+    (8, 2, 2, 2, 4), (8, 2, 4, 3, 2), (16, 1, 2, 3, 2), (16, 1, 2, 2, 4), (16, 2, 4, 3, 2),
 ]  # fmt: skip
 
 
@@ -63,12 +67,13 @@ class Case:
     distinct: float  # mean distinct experts per call (reference routing)
 
 
-def make_case(weights: MoeWeights, tokens: int) -> Case:
+def make_case(weights: MoeWeights, tokens: int, calls: int | None = None) -> Case:
+    calls = calls or CALLS
     h_dim, i_dim, e = weights.hidden_size, weights.intermediate_size, weights.num_experts
-    xs = [_normal((tokens, h_dim), 1.0, DEVICE) for _ in range(CALLS)]
+    xs = [_normal((tokens, h_dim), 1.0, DEVICE) for _ in range(calls)]
 
     def empty(*shape: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        return [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(CALLS)]
+        return [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(calls)]
 
     case = Case(
         xs,
@@ -83,7 +88,7 @@ def make_case(weights: MoeWeights, tokens: int) -> Case:
         ),
     )
     tiles = small.decode_tiles_for(tokens)
-    for i in range(CALLS):  # fill every intermediate once, so each stage can run alone
+    for i in range(calls):  # fill every intermediate once, so each stage can run alone
         small.launch_router(xs[i], weights, case.logits[i], case.x_thread[i], tiles)
         small.launch_gate_up(
             weights, case.x_thread[i], case.logits[i], case.ids[i], case.gates[i],
@@ -161,16 +166,17 @@ def max_rel_vs_grouped(weights: MoeWeights, case: Case) -> float:
 def variant_tiles(gate_up_shape=None, down_shape=None, base=None) -> small.DecodeTiles:
     tiles = base or small.DecodeTiles()
     if gate_up_shape:
-        rows, split, warps, stages = gate_up_shape
+        rows, split, warps, stages, unroll = gate_up_shape
         tiles = dataclasses.replace(
             tiles, gate_up_rows=rows, gate_up_split=split, gate_up_warps=warps,
-            gate_up_stages=stages,
+            gate_up_stages=stages, gate_up_unroll=unroll,
         )  # fmt: skip
     if down_shape:
-        rows, split, warps, stages = down_shape
+        rows, split, warps, stages, unroll = down_shape
         tiles = dataclasses.replace(
-            tiles, down_rows=rows, down_split=split, down_warps=warps, down_stages=stages
-        )
+            tiles, down_rows=rows, down_split=split, down_warps=warps, down_stages=stages,
+            down_unroll=unroll,
+        )  # fmt: skip
     return tiles
 
 
@@ -190,7 +196,7 @@ def sweep(weights: MoeWeights, case: Case, nbytes: dict, rows: list, report: lis
                 report.append({"stage": stage, "tokens": tokens, "variant": shape, "error": True})
                 continue
             tbps = nbytes[stage] / (us * 1e-6) / 1e12
-            note = "rows,split,warps,stages=" + ",".join(map(str, shape))
+            note = "rows,split,warps,stages,unroll=" + ",".join(map(str, shape))
             rows.append((f"sweep {stage}", tokens, us, nbytes[stage], tbps, note))
             report.append({"stage": stage, "tokens": tokens, "variant": shape, "us": us,
                            "tbps": tbps})  # fmt: skip
@@ -213,6 +219,29 @@ def sweep(weights: MoeWeights, case: Case, nbytes: dict, rows: list, report: lis
     return dataclasses.asdict(tiles)
 
 
+def ncu_launches(weights: MoeWeights, variants: list[str]) -> None:
+    """For Nsight Compute: each decode kernel launched twice at T = 1 and 16 for each tile
+    variant ("default", or "u<n>": gate_up and down unrolled n steps), the second launch inside
+    an NVTX range "measure" (ncu --nvtx --nvtx-include "measure/"), in the printed order."""
+    for tokens in (1, 16):
+        case = make_case(weights, tokens, calls=1)
+        for name in variants:
+            unroll = 1 if name == "default" else int(name[1:])
+            tiles = dataclasses.replace(
+                small.decode_tiles_for(tokens), gate_up_unroll=unroll, down_unroll=unroll,
+                gate_up_stages=max(2, 4 - unroll // 2), down_stages=max(2, 4 - unroll // 2),
+            )  # fmt: skip
+            for stage in ("gate_up", "down"):
+                fn = gate_up if stage == "gate_up" else down
+                fn(weights, case, 0, tiles)  # compiles
+                torch.cuda.synchronize()
+                with torch.cuda.nvtx.range("measure"):
+                    fn(weights, case, 0, tiles)
+                torch.cuda.synchronize()
+                sys.stdout.write(f"ncu: T={tokens} {stage} {name} {tiles}\n")
+        del case
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default_out = Path(__file__).parent / "results/moe_profile.json"
@@ -220,11 +249,15 @@ def main() -> int:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
     parser.add_argument("--sweep-tokens", default="1,4,16,64")
     parser.add_argument("--quick", action="store_true", help="no copy ceiling, no grouped path")
+    parser.add_argument("--ncu", default=None, help="only launch for ncu: e.g. default,u2,u4")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh data every run
     config = ModelConfig.from_dict(preset_config("120b"))
     weights = random_moe_weights(config)
+    if args.ncu:
+        ncu_launches(weights, args.ncu.split(","))
+        return 0
     results: dict = {
         "device": torch.cuda.get_device_name(),
         "commit": commit(),

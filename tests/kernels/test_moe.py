@@ -419,8 +419,8 @@ def check_decode_routing(x: torch.Tensor, weights: MoeWeights, tiles=None) -> No
 
 
 def _decode_variants() -> list:
-    """Launch shapes the tests cover: both entries of the table, a K split of 4, tiles that do
-    not divide N (rows clamped), one warp per program, the portable decode, PDL."""
+    """Launch shapes the tests cover: the table's entries, a K split of 4, tiles that do not
+    divide N (rows clamped), one warp per program, the portable decode, PDL, unrolled steps."""
     if importlib.util.find_spec("triton") is None:
         return []
     from gptoss_serve.kernels._moe_small import DECODE_TILES, DecodeTiles  # noqa: PLC0415
@@ -437,6 +437,7 @@ def _decode_variants() -> list:
         DecodeTiles(gate_up_rows=16, gate_up_split=4, gate_up_warps=1, down_rows=4, down_warps=1),
         DecodeTiles(gate_up_rows=64, gate_up_split=1, router_experts=2, ptx=False),
         DecodeTiles(pdl=True),
+        DecodeTiles(gate_up_stages=2, gate_up_unroll=4, down_stages=3, down_unroll=2),
     ]
 
 
@@ -578,12 +579,12 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
     gate_up |= dict(SPLIT=tiles.gate_up_split, NUM_STAGES=tiles.gate_up_stages)
     down = dict(N=2880, K=2880, E=128, BR=tiles.down_rows, SPLIT=tiles.down_split)
     down |= dict(NUM_STAGES=tiles.down_stages)
+    gate_up |= split_plan(2880, tiles.gate_up_split, tiles.gate_up_unroll) | common
+    down |= split_plan(2880, tiles.down_split, tiles.down_unroll) | common
     for kernel, constexprs, warps, stages in [
-        (_moe_decode._gate_up_kernel, gate_up | split_plan(2880, tiles.gate_up_split) | common,
-         tiles.gate_up_warps, tiles.gate_up_stages),
-        (_moe_decode._down_kernel, down | split_plan(2880, tiles.down_split) | common,
-         tiles.down_warps, tiles.down_stages),
-    ]:  # fmt: skip
+        (_moe_decode._gate_up_kernel, gate_up, tiles.gate_up_warps, tiles.gate_up_stages),
+        (_moe_decode._down_kernel, down, tiles.down_warps, tiles.down_stages),
+    ]:
         ptx = compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
         assert "cp.async" in ptx and "mma.sync" in ptx
         assert ".local" not in ptx

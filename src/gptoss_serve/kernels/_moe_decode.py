@@ -82,6 +82,12 @@ def _router_kernel(
 
 
 @triton.jit
+def _part_groups(part, G: tl.constexpr, SPLIT_GROUPS: tl.constexpr):
+    """Groups of K part ``part`` (parts of SPLIT_GROUPS, the last one shorter)."""
+    return tl.minimum(G - part * SPLIT_GROUPS, SPLIT_GROUPS)
+
+
+@triton.jit
 def _prefetch_l2(ptrs, nbytes):
     """Ask L2 to fetch ``nbytes`` (int32, a multiple of 16; 0: nothing) from each pointer."""
     tl.inline_asm_elementwise(
@@ -112,8 +118,8 @@ def _gate_up_kernel(
     blocks_ptr, scales_ptr, bias_ptr, h_ptr, num_pairs, alpha, limit,
     H: tl.constexpr, N: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr,
     ROUTED: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr,
-    STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """h[p, :] (thread order, bf16 [P, N/2]) for R = BN/SPLIT rows [n0, n0 + R) of the pair's
     expert. The K columns are split in SPLIT parts of SPLIT_GROUPS groups: tile row s·R + r
@@ -142,7 +148,7 @@ def _gate_up_kernel(
     rows, t = _tile_slots(BN)
     part = rows // R
     row = n0 + rows % R
-    row_groups = tl.where(row < N, G - part * SPLIT_GROUPS, 0)
+    row_groups = tl.where(row < N, _part_groups(part, G, SPLIT_GROUPS), 0)
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
     expert = expert.to(tl.int64)
     first_group = part * SPLIT_GROUPS + t
@@ -154,8 +160,8 @@ def _gate_up_kernel(
     col_part = cols % SPLIT
     col_ptrs = x_thread_ptr + token * H + col_part * (32 * SPLIT_GROUPS)
     acc = _mxfp4_gemv(
-        block_rows, scale_rows, row_groups, t, col_ptrs, G - col_part * SPLIT_GROUPS,
-        BN, STEPS, FULL_STEPS, NUM_STAGES, PTX, INTERPRET,
+        block_rows, scale_rows, row_groups, t, col_ptrs, _part_groups(col_part, G, SPLIT_GROUPS),
+        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET,
     )  # fmt: skip
     keep = (tl.arange(0, BN) // R)[:, None] == cols[None, :]  # row s·R + r: column s
     y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)
@@ -177,8 +183,8 @@ def _down_kernel(
     out_ptr, stride_out,
     N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BR: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr, STEPS: tl.constexpr,
-    FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """out[token, n0 : n0 + BR] = Σ_e w_e · (h_e @ W_down[e][rows]^T + b_e), bf16 (K = I).
 
@@ -205,7 +211,7 @@ def _down_kernel(
     slot = column // SPLIT
     part = column % SPLIT
     row = n0 + rows % BR
-    row_groups = tl.where((row < N) & (slot < TOP_K), G - part * SPLIT_GROUPS, 0)
+    row_groups = tl.where((row < N) & (slot < TOP_K), _part_groups(part, G, SPLIT_GROUPS), 0)
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
     row_expert = tl.sum(tl.where(slot[:, None] == slots[None, :], ids[None, :], 0), 1)
     first_group = part * SPLIT_GROUPS + t
@@ -218,10 +224,10 @@ def _down_kernel(
     col_part = cols % SPLIT
     col_ptrs = h_ptr + (token * TOP_K + tl.minimum(col_slot, TOP_K - 1)) * K
     col_ptrs += col_part * (32 * SPLIT_GROUPS)
-    col_groups = tl.where(col_slot < TOP_K, G - col_part * SPLIT_GROUPS, 0)
+    col_groups = tl.where(col_slot < TOP_K, _part_groups(col_part, G, SPLIT_GROUPS), 0)
     acc = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
-        BN, STEPS, FULL_STEPS, NUM_STAGES, PTX, INTERPRET,
+        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET,
     )  # fmt: skip
     keep = (tl.arange(0, BN) // BR)[:, None] == cols[None, :]  # tile row: its own column
     y = tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [K_PAD, SPLIT, BR])

@@ -196,7 +196,7 @@ def _gemv_step(
 @triton.jit
 def _mxfp4_gemv(
     block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
-    BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr,
+    BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns.
@@ -205,7 +205,9 @@ def _mxfp4_gemv(
     step (u8), ``scale_rows`` at that group's scale, and the row has ``row_groups`` valid groups
     from its first one (0 for rows past the end). Per column, ``col_ptrs``/``col_groups`` the
     same for the thread-ordered activations (bf16). The first FULL_STEPS steps are valid for
-    every row and column: when that is all of them, the loads carry no masks."""
+    every row and column: when that is all of them, the loads carry no masks. UNROLL steps per
+    iteration (STEPS a multiple of it): their loads go out together, so that HBM sees each
+    row's 64·UNROLL contiguous bytes at once rather than 64 at a time."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
     if PTX:  # the scales are read one step ahead only: have all of them in L2 by then
@@ -214,11 +216,12 @@ def _mxfp4_gemv(
     scale = _load_scale(scale_rows, t < row_groups, PTX)
     # One pipelined loop, masked when some step is partial (K = 2880 is 22.5 steps): a partial
     # step peeled off the loop would wait for its loads from HBM with nothing in flight.
-    for step in tl.range(0, STEPS, num_stages=NUM_STAGES):
-        acc, scale = _gemv_step(
-            acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
-            BN, FULL_STEPS < STEPS, PTX, INTERPRET,
-        )  # fmt: skip
+    for step0 in tl.range(0, STEPS, UNROLL, num_stages=NUM_STAGES):
+        for j in tl.static_range(UNROLL):
+            acc, scale = _gemv_step(
+                acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
+                col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET,
+            )  # fmt: skip
     return acc
 
 

@@ -7,7 +7,7 @@
 No device-to-host sync and no atomics (CUDA-graph capturable, bitwise repeatable). Each
 (token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
 reads those rows more than once from L2 (not from HBM: the programs of one row tile run
-together, pairs fastest); past DECODE_MAX_TOKENS the grouped path of _moe_triton.py wins.
+together, pairs fastest); past DECODE_MAX_TOKENS the grouped path of _moe_triton.py takes over.
 See _moe_gemv.py for the tile layout and the decode, _moe_decode.py for the kernels.
 """
 
@@ -23,7 +23,12 @@ from gptoss_serve.kernels import _moe_decode as decode
 from gptoss_serve.kernels import _moe_gemv as gemv
 from gptoss_serve.kernels.moe import MoeWeights
 
-DECODE_MAX_TOKENS = 16  # largest T routed to this path by mxfp4_moe_triton
+# Largest T routed to this path by mxfp4_moe_triton. From the sm_90 SASS (not yet timed): the
+# GEMV loop spends ~6.4 instructions per weight byte and every pair re-reads its expert (from
+# L2 when pairs share one), the grouped GEMMs ~21-26 per byte once per expert; at T = 64
+# (256 pairs, 111 experts) that is ~0.7 ms of issue against ~1.2 ms. bench/moe_profile.py
+# prints both paths per T to move the switch.
+DECODE_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,13 @@ class DecodeTiles:
     gate_up_rows: int = 32  # gate/up rows per program (even)
     gate_up_split: int = 2
     gate_up_warps: int = 2
-    gate_up_stages: int = 4  # cp.async depth of the weight stream
+    gate_up_stages: int = 4  # cp.async depth of the weight stream, in loop iterations
+    gate_up_unroll: int = 1  # 128-column steps per iteration (64·unroll B of a row at once)
     down_rows: int = 8  # rows of H per program, for each of the k experts
     down_split: int = 2  # k · split ≤ 8 keeps one n8 MMA per k-step
     down_warps: int = 2
     down_stages: int = 4
+    down_unroll: int = 1
     router_experts: int = 1  # experts per router program
     router_block_k: int | None = None  # None: all of H in one step at T = 1, less as T grows
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
@@ -57,13 +64,15 @@ class DecodeTiles:
             raise ValueError("gate_up_rows must cover a (gate, up) pair")
 
 
-# By token count (first entry with T ≤ its bound). At T = 1 the K split gives the SMs enough
-# warps (1440 for gate_up, 720 for down at 120b shapes, all resident at once); more tokens bring
-# their own programs. bench/moe_profile.py re-measures (its "best tiles" lines).
+# By token count (first entry with T ≤ its bound), from bench/moe_profile.py on the H200 (v2,
+# d6597e1: its "best tiles" at T = 1, 4, 16). At T = 1 the K split gives the SMs enough warps
+# (gate_up 1440, down 1440 at 120b shapes, all resident at once); more tokens bring their own.
 DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
-    (1, DecodeTiles()),
-    (3, DecodeTiles(gate_up_rows=64, gate_up_split=1)),
-    (DECODE_MAX_TOKENS, DecodeTiles(gate_up_rows=64, gate_up_split=1, down_rows=16, down_split=1)),
+    (1, DecodeTiles(down_warps=4)),
+    (
+        DECODE_MAX_TOKENS,
+        DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4),
+    ),
 )
 
 
@@ -142,7 +151,7 @@ def launch_router(
     num_tokens, hidden = x.shape
     block_e = tiles.router_experts
     # The router's latency is its chain of loads: one step when x fits in registers.
-    block_k = tiles.router_block_k or max(256, min(_pow2(hidden), 4096 // _pow2(num_tokens)))
+    block_k = tiles.router_block_k or max(128, min(_pow2(hidden), 4096 // _pow2(num_tokens)))
     decode._router_kernel[(triton.cdiv(weights.num_experts, block_e),)](
         x, weights.router_weight, weights.router_bias, logits, x_thread, num_tokens, x.stride(0),
         H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens), BLOCK_E=block_e,
@@ -174,7 +183,7 @@ def launch_gate_up(
         weights.gate_up_blocks, weights.gate_up_scales, weights.gate_up_bias, h,
         num_pairs, alpha, limit,
         H=hidden, N=2 * inter, E=weights.num_experts, TOP_K=top_k, ROUTED=logits is None,
-        BN=rows * split, SPLIT=split, **split_plan(hidden, split),
+        BN=rows * split, SPLIT=split, **split_plan(hidden, split, tiles.gate_up_unroll),
         NUM_STAGES=tiles.gate_up_stages, PTX=tiles.ptx and not _interpreting(), PDL=pdl,
         INTERPRET=_interpreting(), num_warps=tiles.gate_up_warps,
         num_stages=tiles.gate_up_stages, launch_pdl=pdl,
@@ -203,22 +212,23 @@ def launch_down(
         h, gates if logits is None else logits, ids, gates,
         weights.down_blocks, weights.down_scales, weights.down_bias, out, out.stride(0),
         N=hidden, K=inter, E=weights.num_experts, TOP_K=top_k, BR=rows, SPLIT=split,
-        **split_plan(inter, split), NUM_STAGES=tiles.down_stages,
+        **split_plan(inter, split, tiles.down_unroll), NUM_STAGES=tiles.down_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
     )  # fmt: skip
 
 
-def split_plan(k: int, split: int) -> dict[str, int]:
+def split_plan(k: int, split: int, unroll: int = 1) -> dict[str, int]:
     """K columns in ``split`` parts of whole 128-column steps: part s starts at group
-    s · SPLIT_GROUPS; every part runs STEPS steps, the first FULL_STEPS of which are in range
-    for all parts (no masks). K = 2880 (90 groups): split 1 is 22 full + 1 half step, split 2 is
-    parts of 48 and 42 groups, 10 full steps + 2 partial (24 steps issued for 22.5 of data)."""
+    s · SPLIT_GROUPS; every part runs STEPS steps (a multiple of ``unroll``; steps past a part's
+    end are masked), the first FULL_STEPS of which are in range for all parts. K = 2880 (90
+    groups): split 1 is 22 full steps + 1 half, split 2 parts of 48 and 42 groups, 10 full steps
+    + 2 partial (24 steps issued for 22.5 of data)."""
     groups = k // 32
-    steps = _cdiv(_cdiv(groups, split), 4)
-    split_groups = 4 * steps
-    full = max(0, (groups - (split - 1) * split_groups) // 4)
-    return {"SPLIT_GROUPS": split_groups, "STEPS": steps, "FULL_STEPS": full}
+    split_groups = 4 * _cdiv(_cdiv(groups, split), 4)
+    steps = unroll * _cdiv(split_groups // 4, unroll)
+    full = max(0, min(split_groups, groups - (split - 1) * split_groups) // 4)
+    return {"SPLIT_GROUPS": split_groups, "STEPS": steps, "FULL_STEPS": full, "UNROLL": unroll}
 
 
 def decode_debug(blocks: torch.Tensor, scales: torch.Tensor, *, ptx: bool = True) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Host side of the Triton MXFP4 MoE: the tile table per regime, buffers, and the launches.
 
 T ≤ DECODE_MAX_TOKENS goes to the GEMV-shaped decode path of _moe_small.py (3 launches); the
-grouped path below takes the rest. One call, with no device-to-host sync (CUDA-graph safe;
-every size below is known from T):
+grouped path below takes the rest, and any call that passes ``tiles`` (its small-batch tiles
+stay for tests and comparison). One call, with no device-to-host sync (CUDA-graph safe; every
+size below is known from T):
 
-    small batches (T ≤ 64)                   prefill (T > 64)
+    small batches (T ≤ 64, given tiles)      prefill (T > 64)
     _router_kernel: logits [T, E] fp32        _router_topk_kernel: ids, weights
     _route_small_kernel (1 program):          _count_kernel, _block_table_kernel,
       top-k + counting sort + block table       _scatter_kernel (atomics)

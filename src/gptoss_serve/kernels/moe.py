@@ -9,7 +9,7 @@ expert MLP in plain torch.
 On CUDA it runs the Triton kernels; elsewhere the plain-torch reference at the bottom of this
 module. Two Triton paths (_moe_triton.py picks by T):
 
-- decode, T ≤ 16 (_moe_small.py): router logits; a gate_up GEMV per (token, slot) pair that
+- decode, T ≤ 64 (_moe_small.py): router logits; a gate_up GEMV per (token, slot) pair that
   takes its expert from the top-k; a down GEMV per token that sums its k experts in-program.
   Three launches, the MXFP4 decoded straight into the MMA's registers (_moe_gemv.py).
 - grouped, larger T: routing, grouping of the T·k (token, slot) pairs by expert, two grouped
