@@ -15,6 +15,7 @@ import torch
 
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels.attention import paged_attention_decode
+from gptoss_serve.kernels.linear import linear, linear_reference
 from gptoss_serve.kernels.moe import MoeWeights, mxfp4_moe
 from gptoss_serve.kernels.norm import fused_add_rms_norm
 from gptoss_serve.kernels.rope import rope_and_cache_write
@@ -74,13 +75,16 @@ def random_attention_weights(config: ModelConfig, device: str = "cuda") -> Atten
 
 class DecodeStep:
     """One batch-B decode step of the whole model over a paged cache of ``context`` tokens
-    per sequence, with static buffers so it can be captured in a CUDA graph."""
+    per sequence, with static buffers so it can be captured in a CUDA graph. ``dense``:
+    "triton" runs the projections through ``kernels.linear`` (the Triton GEMV at small batch),
+    "cublas" through torch's linear."""
 
     def __init__(
         self, config: ModelConfig, *, batch: int, context: int, block_size: int = 16,
-        device: str = "cuda",
+        device: str = "cuda", dense: str = "triton",
     ) -> None:  # fmt: skip
         self.config = config
+        self.dense = {"triton": linear, "cublas": linear_reference}[dense]
         self.layers = [
             (random_attention_weights(config, device), random_moe_weights(config, device))
             for _ in range(config.num_hidden_layers)
@@ -118,7 +122,7 @@ class DecodeStep:
             zip(self.layers, self.caches, strict=True)
         ):
             normed, residual = fused_add_rms_norm(x, residual, attn.input_norm, config.rms_norm_eps)
-            qkv = torch.nn.functional.linear(normed, attn.qkv_weight, attn.qkv_bias)
+            qkv = self.dense(normed, attn.qkv_weight, attn.qkv_bias)
             q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
             batch = q.shape[0]
             q = rope_and_cache_write(
@@ -130,9 +134,9 @@ class DecodeStep:
                 q, k_cache, v_cache, self.block_tables, self.seq_lens, attn.sinks,
                 window=window, scale=d**-0.5,
             )  # fmt: skip
-            x = torch.nn.functional.linear(out.view(batch, q_dim), attn.o_weight, attn.o_bias)
+            x = self.dense(out.view(batch, q_dim), attn.o_weight, attn.o_bias)
             normed, residual = fused_add_rms_norm(x, residual, attn.post_norm, config.rms_norm_eps)
             x = mxfp4_moe(normed, moe, top_k=config.num_experts_per_tok)
         normed, _ = fused_add_rms_norm(x, residual, self.final_norm, config.rms_norm_eps)
-        logits = torch.nn.functional.linear(normed, self.lm_head)
+        logits = self.dense(normed, self.lm_head, out_dtype=torch.float32)
         return sample_tokens(logits, self.temperature, self.top_p, self.seeds, self.steps)

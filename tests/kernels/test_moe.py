@@ -23,6 +23,7 @@ from compare import assert_close, poisoned
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels.moe import (
+    CHECKPOINT_TENSORS,
     MoeWeights,
     moe,
     mxfp4_moe,
@@ -144,11 +145,11 @@ def test_reference_matches_model_mlp() -> None:
 
 def test_from_checkpoint_keeps_the_checkpoint_tensors() -> None:
     weights = random_weights(4, 64, 32, seed=5)
-    tensors = [getattr(weights, name) for name in MoeWeights.__dataclass_fields__]
+    tensors = [getattr(weights, name) for name in CHECKPOINT_TENSORS]
     # A transposed-back copy is not contiguous: from_checkpoint must still see the same values.
     tensors[2] = tensors[2].transpose(0, 1).contiguous().transpose(0, 1)
     again = MoeWeights.from_checkpoint(*tensors)
-    for name, original in zip(MoeWeights.__dataclass_fields__, tensors, strict=True):
+    for name, original in zip(CHECKPOINT_TENSORS, tensors, strict=True):
         assert torch.equal(getattr(again, name), original), name
         assert getattr(again, name).is_contiguous()
     assert again.gate_up_blocks.untyped_storage().nbytes() == tensors[2].numel()  # no extra copy
@@ -158,7 +159,7 @@ def test_from_checkpoint_keeps_the_checkpoint_tensors() -> None:
 
 def test_from_checkpoint_rejects_mismatched_tensors() -> None:
     weights = random_weights(4, 64, 32)
-    tensors = [getattr(weights, name) for name in MoeWeights.__dataclass_fields__]
+    tensors = [getattr(weights, name) for name in CHECKPOINT_TENSORS]
     with pytest.raises(ValueError, match="down_scales"):
         MoeWeights.from_checkpoint(*tensors[:6], tensors[6][:, :-1], tensors[7])
     with pytest.raises(TypeError, match="gate_up_bias"):
@@ -593,5 +594,6 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
     for num_tokens, block_k in [(1, 4096), (16, 256)]:
         router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts)
         router |= dict(BLOCK_K=tiles.router_block_k or block_k, PDL=tiles.pdl)
+        router |= dict(TOP_K=4, ROUTE=not tiles.pdl)  # both variants compile
         ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
         assert ".local" not in ptx

@@ -2,10 +2,12 @@
 
 1. ``_router_kernel``: fp32 router logits [T, E], one program per BLOCK_E experts (the 0.74 MB
    router read spread over the SMs); the programs also write x in thread order (_moe_gemv.py)
-   for the GEMVs.
+   for the GEMVs, and the last one to finish computes the top-k routing of every token (the
+   GEMV programs then load 4 ids instead of each running a top-4 over 128 logits, which was
+   ~1,000 of a gate_up thread's ~6,000 instructions at T = 1).
 2. ``_gate_up_kernel``: one program per (pair p = (token, slot), BN-row tile of the 2I gate/up
-   rows). It takes its expert from the token's top-k (recomputed from the logits, exact and
-   cheap: 128 values), streams the expert's rows through the MXFP4 GEMV and applies bias and the
+   rows). It takes its expert from the routing (with PDL: from the token's top-k, recomputed
+   from the logits), streams the expert's rows through the MXFP4 GEMV and applies bias and the
    clamped SwiGLU; h [P, I] bf16 is stored in thread order for the down GEMV. The tile-0
    programs write the pair's expert id and routing weight.
 3. ``_down_kernel``: one program per (token, BR-row tile of H). Its GEMV tile stacks the BR rows
@@ -43,12 +45,17 @@ def _thread_order(x, BK: tl.constexpr):
 
 @triton.jit
 def _router_kernel(
-    x_ptr, weight_ptr, bias_ptr, logits_ptr, x_thread_ptr, num_tokens, stride_x,
+    x_ptr, weight_ptr, bias_ptr, logits_ptr, x_thread_ptr, counter_ptr, expert_ids_ptr,
+    routing_weights_ptr, num_tokens, stride_x,
     H: tl.constexpr, E: tl.constexpr, T_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """logits [T, E] fp32 = x @ Wr^T + br for BLOCK_E experts; x_thread [T, H] bf16 for the
-    BLOCK_K chunks c with c % num_programs == program (each chunk written once)."""
+    BLOCK_K chunks c with c % num_programs == program (each chunk written once).
+
+    ROUTE: the last program to finish (a ticket from ``counter_ptr``) also writes every
+    token's top-k expert ids [T, k] int32 and routing weights [T, k] fp32, once, so that the
+    GEMV programs just load them, then re-arms the counter to 0 for the next launch."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -79,6 +86,40 @@ def _router_kernel(
     bias = tl.load(bias_ptr + experts, mask=experts < E, other=0.0).to(tl.float32)
     mask = token_mask[:, None] & (experts < E)[None, :]
     tl.store(logits_ptr + tokens[:, None] * E + experts[None, :], acc + bias[None, :], mask=mask)
+    if ROUTE:
+        _route_when_last(
+            logits_ptr, counter_ptr, expert_ids_ptr, routing_weights_ptr, tokens, token_mask,
+            E, TOP_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _route_when_last(
+    logits_ptr, counter_ptr, expert_ids_ptr, routing_weights_ptr, tokens, token_mask,
+    E: tl.constexpr, TOP_K: tl.constexpr,
+):  # fmt: skip
+    """The last router program: top-k + softmax of every token from all the logits."""
+    # The barrier orders the whole program's logit stores before the (release) ticket; the
+    # last ticket's acquire makes every program's stores visible, read through L2 (.cg).
+    E_PAD: tl.constexpr = triton.next_power_of_2(E)
+    K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        experts = tl.arange(0, E_PAD)
+        logits = tl.load(
+            logits_ptr + tokens[:, None] * E + experts[None, :],
+            mask=token_mask[:, None] & (experts < E)[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        ids, weights = _topk_softmax(logits, TOP_K, K_PAD)
+        slots = tl.arange(0, K_PAD)
+        pairs = tokens[:, None] * TOP_K + slots[None, :]
+        valid = token_mask[:, None] & (slots < TOP_K)[None, :]
+        tl.store(expert_ids_ptr + pairs, ids, mask=valid)
+        tl.store(routing_weights_ptr + pairs, weights, mask=valid)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
 
 
 @triton.jit

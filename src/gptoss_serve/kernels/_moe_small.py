@@ -1,10 +1,12 @@
 """Host side of the decode-path MXFP4 MoE (T ≤ DECODE_MAX_TOKENS): tiles, buffers, 3 launches.
 
-    _router_kernel   logits [T, E] fp32, x in thread order        (E / router_experts programs)
-    _gate_up_kernel  top-k from the logits; h [T·k, I] bf16          (T·k x 2I / gate_up_rows)
+    _router_kernel   logits [T, E] fp32, x in thread order, and     (E / router_experts programs)
+                     in its last program the top-k routing
+    _gate_up_kernel  h [T·k, I] bf16                                 (T·k x 2I / gate_up_rows)
     _down_kernel     out [T, H] = Σ_k w · (h @ Wd^T + bd), in-program (T x H / down_rows)
 
-No device-to-host sync and no atomics (CUDA-graph capturable, bitwise repeatable). Each
+No device-to-host sync (CUDA-graph capturable) and bitwise repeatable: the one atomic is the
+router's ticket, and the routing does not depend on which program draws the last one. Each
 (token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
 reads those rows more than once from L2 (not from HBM: the programs of one row tile run
 together, pairs fastest); past DECODE_MAX_TOKENS the grouped path of _moe_triton.py takes over.
@@ -49,6 +51,9 @@ class DecodeTiles:
     down_unroll: int = 1
     router_experts: int = 1  # experts per router program
     router_block_k: int | None = None  # None: all of H in one step at T = 1, less as T grows
+    # The routing from the router's last program (once) rather than a top-4 in every gate_up
+    # program: that tail costs the router ~2 us, which the GEMVs win back from T ~ 8 on.
+    route_in_router: bool = True
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launch (_moe_decode.py); GPU, routing computed
 
@@ -68,12 +73,18 @@ class DecodeTiles:
 # d6597e1: its "best tiles" at T = 1, 4, 16). At T = 1 the K split gives the SMs enough warps
 # (gate_up 1440, down 1440 at 120b shapes, all resident at once); more tokens bring their own.
 DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
-    (1, DecodeTiles(down_warps=4)),
+    (1, DecodeTiles(down_warps=4, route_in_router=False)),
+    (4, DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4, route_in_router=False)),
     (
         DECODE_MAX_TOKENS,
         DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4),
     ),
 )
+
+
+def routes_in_router(tiles: DecodeTiles) -> bool:
+    """Whether the router writes the routing (else gate_up computes it from the logits)."""
+    return tiles.route_in_router and not tiles.pdl
 
 
 def decode_tiles_for(num_tokens: int) -> DecodeTiles:
@@ -124,19 +135,26 @@ def mxfp4_moe_decode(
         ids = expert_ids.to(torch.int32).contiguous()
         gates = routing_weights.to(torch.float32).contiguous()
         x_thread, logits = thread_order(x).contiguous(), None
+        routed_here = True  # given: the GEMVs read it
     else:
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
         gates = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
         x_thread = _scratch((num_tokens, hidden), torch.bfloat16, device, poison)
         logits = _scratch((num_tokens, weights.num_experts), torch.float32, device, poison)
-        launch_router(x, weights, logits, x_thread, tiles)
+        # With PDL gate_up computes the routing from the logits (and down prefetches its
+        # experts' rows from them); else the router's last program writes it once.
+        routed_here = routes_in_router(tiles)
+        launch_router(
+            x, weights, logits, x_thread, tiles, ids=ids if routed_here else None, gates=gates
+        )
     h = _scratch((num_tokens * top_k, weights.intermediate_size), torch.bfloat16, device, poison)
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
+    gemv_logits = None if routed_here else logits  # None: the GEMVs read ids/gates
     launch_gate_up(
-        weights, x_thread, logits, ids, gates, h=h, tiles=tiles, alpha=alpha, limit=limit
+        weights, x_thread, gemv_logits, ids, gates, h=h, tiles=tiles, alpha=alpha, limit=limit
     )
-    launch_down(weights, h, ids, gates, out=out, tiles=tiles, logits=logits)
+    launch_down(weights, h, ids, gates, out=out, tiles=tiles, logits=gemv_logits)
     return DecodeResult(out, ids, gates, logits)
 
 
@@ -146,16 +164,26 @@ def launch_router(
     logits: torch.Tensor,
     x_thread: torch.Tensor,
     tiles: DecodeTiles,
+    *,
+    ids: torch.Tensor | None = None,
+    gates: torch.Tensor | None = None,
 ) -> None:
-    """x [T, H] -> logits [T, E] fp32 and x_thread [T, H] (thread order)."""
+    """x [T, H] -> logits [T, E] fp32 and x_thread [T, H] (thread order); with ``ids`` and
+    ``gates`` [T, k] given, also the top-k routing into them."""
     num_tokens, hidden = x.shape
+    route = ids is not None
+    counter = weights.router_counter
+    if route and counter is None:
+        counter = torch.zeros(1, dtype=torch.int32, device=x.device)
     block_e = tiles.router_experts
     # The router's latency is its chain of loads: one step when x fits in registers.
     block_k = tiles.router_block_k or max(128, min(_pow2(hidden), 4096 // _pow2(num_tokens)))
     decode._router_kernel[(triton.cdiv(weights.num_experts, block_e),)](
-        x, weights.router_weight, weights.router_bias, logits, x_thread, num_tokens, x.stride(0),
-        H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens), BLOCK_E=block_e,
-        BLOCK_K=block_k, PDL=tiles.pdl and not _interpreting(), num_warps=4,
+        x, weights.router_weight, weights.router_bias, logits, x_thread,
+        counter if route else logits, ids if route else logits, gates if route else logits,
+        num_tokens, x.stride(0), H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens),
+        BLOCK_E=block_e, BLOCK_K=block_k, TOP_K=ids.shape[1] if route else 1, ROUTE=route,
+        PDL=tiles.pdl and not _interpreting(), num_warps=4,
     )  # fmt: skip
 
 

@@ -39,6 +39,13 @@ from gptoss_serve.kernels.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
+# MoeWeights' checkpoint tensors, in from_checkpoint's argument order.
+CHECKPOINT_TENSORS = (
+    "router_weight", "router_bias", "gate_up_blocks", "gate_up_scales", "gate_up_bias",
+    "down_blocks", "down_scales", "down_bias",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class MoeWeights:
     """One layer's MoE weights on one device, the experts kept MXFP4 as released.
@@ -57,6 +64,9 @@ class MoeWeights:
     down_blocks: torch.Tensor
     down_scales: torch.Tensor
     down_bias: torch.Tensor
+    # Scratch of the decode path's router (int32 [1], zero between launches: the kernel's last
+    # program re-arms it). One per layer, so layers never share it; None: made per call.
+    router_counter: torch.Tensor | None = None
 
     @classmethod
     def from_checkpoint(  # noqa: PLR0917 (the checkpoint's tensor order)
@@ -88,7 +98,8 @@ class MoeWeights:
                     router_weight, router_bias, gate_up_blocks, gate_up_scales, gate_up_bias,
                     down_blocks, down_scales, down_bias,
                 )
-            )
+            ),
+            router_counter=torch.zeros(1, dtype=torch.int32, device=router_weight.device),
         )  # fmt: skip
         weights.check()
         return weights

@@ -1,0 +1,73 @@
+"""Dense projection y = x @ W^T + b for the decode step's few tokens (q/k/v, o, unembedding).
+
+With at most ``GEMV_MAX_TOKENS`` bf16 rows on CUDA it runs the Triton GEMV of ``_linear.py``
+(whole weight rows per program, all bytes in flight at once); otherwise, where the product is
+a real GEMM (prefill, large decode batches) or off the GPU, it is ``torch.nn.functional.linear``
+(cuBLAS on CUDA), which is also the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Token counts up to which the GEMV runs: it keeps the weight tile in registers and loops over
+# the tokens on the CUDA cores, so its arithmetic grows with T while cuBLAS's tensor cores
+# would not (bench/step_profile.py times both).
+GEMV_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    rows: int = 4  # weight rows per program (a power of two)
+    num_warps: int = 8
+
+
+def gemv_tiles_for(num_rows: int, k: int) -> GemvTiles:
+    """Launch shape for an [num_rows, k] weight, from bench/step_profile.py's sweep on the H200
+    (36 layers of 120b): q/k/v [5120, 2880] 4 rows x 8 warps 3.16 TB/s (1 x 4: 2.93); o [2880,
+    4096] 1 x 4 3.12 TB/s (4 x 8: 2.82); the unembedding [201088, 2880] 4 x 8 4.46 TB/s."""
+    del num_rows
+    return GemvTiles(1, 4) if k > 3072 else GemvTiles(4, 8)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    tiles: GemvTiles | None = None,
+) -> torch.Tensor:
+    """x [T, K], weight [N, K], bias [N] -> [T, N] in ``out_dtype`` (default x's dtype)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected x [T, K] and weight [N, K], got {x.shape}, {weight.shape}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
+    out_dtype = out_dtype or x.dtype
+    if (
+        x.is_cuda
+        and x.shape[0] <= GEMV_MAX_TOKENS
+        and x.dtype == weight.dtype == torch.bfloat16
+        and out_dtype in (torch.bfloat16, torch.float32)
+    ):
+        # Imported here: CPU installs may have no triton at all.
+        from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415
+
+        return linear_triton(x, weight, bias, out_dtype, tiles or gemv_tiles_for(*weight.shape))
+    return linear_reference(x, weight, bias, out_dtype=out_dtype)
+
+
+def linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Plain torch (cuBLAS on CUDA): the numerics the GEMV is checked against."""
+    return torch.nn.functional.linear(x, weight, bias).to(out_dtype or x.dtype)
