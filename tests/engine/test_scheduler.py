@@ -13,9 +13,10 @@ from factories import (
     step,
 )
 
-from gptoss_serve.engine.kv_manager import NO_BLOCK, SLIDING_GROUP
+from gptoss_serve.config import SchedulerConfig
+from gptoss_serve.engine.kv_manager import NO_BLOCK, SLIDING_GROUP, KvCacheManager
 from gptoss_serve.engine.request import RequestStatus
-from gptoss_serve.engine.scheduler import SchedulerError
+from gptoss_serve.engine.scheduler import Scheduler, SchedulerError
 
 # -- admission and the token budget ----------------------------------------------------------------
 
@@ -119,6 +120,16 @@ def test_add_request_refuses_what_could_never_run() -> None:
         scheduler.add_request(make_request("fits", 3))
     with pytest.raises(ValueError, match="empty"):
         make_request("empty", [])
+
+
+def test_configs_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    assert SchedulerConfig(max_num_batched_tokens=64, max_chunk_tokens=100).chunk_tokens == 64
+    with pytest.raises(ValueError, match="one chunk of 64 tokens needs 7"):
+        make_scheduler(window=32, num_sliding_blocks=6, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="disagree on prefix caching"):
+        Scheduler(SchedulerConfig(enable_prefix_caching=False), KvCacheManager(8))
 
 
 def test_schedule_and_update_must_alternate() -> None:

@@ -52,6 +52,8 @@ class SchedulerError(ValueError):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KvCacheManager) -> None:
+        if kv.enable_prefix_caching != config.enable_prefix_caching:
+            raise ValueError("the KV manager and the config disagree on prefix caching")
         if kv.has_sliding_group:
             needed = sliding_blocks_bound(kv.sliding_window, config.chunk_tokens)
             if kv.pools[SLIDING_GROUP].num_blocks < needed:
