@@ -299,3 +299,30 @@ class ServerConfig:
     # Output cap when a request gives no max_output_tokens (None: the rest of the context).
     default_max_output_tokens: int | None = 4096
     reasoning_effort: str = "medium"  # when a request gives none
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one engine step may hold (engine/scheduler.py)."""
+
+    max_num_seqs: int = 64  # running requests at most: the largest decode batch
+    max_num_batched_tokens: int = 2048  # the token budget of one step, decodes and prefill
+    # The most tokens one request computes in one step (None: the whole budget). A smaller
+    # chunk lets several prefills share a step and bounds a sliding layer's blocks per step.
+    max_chunk_tokens: int | None = None
+    max_model_len: int = 131072  # prompt + output tokens of one request
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The most tokens one request computes in one step."""
+        if self.max_chunk_tokens is None:
+            return self.max_num_batched_tokens
+        return min(self.max_chunk_tokens, self.max_num_batched_tokens)
