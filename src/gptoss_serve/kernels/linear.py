@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gptoss_serve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference
+
 logger = logging.getLogger(__name__)
 
 # Token counts up to which the GEMV runs: it keeps the weight tile in registers and loops over
@@ -49,17 +51,58 @@ def linear(
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
     out_dtype = out_dtype or x.dtype
-    if (
-        x.is_cuda
-        and x.shape[0] <= GEMV_MAX_TOKENS
-        and x.dtype == weight.dtype == torch.bfloat16
-        and out_dtype in (torch.bfloat16, torch.float32)
-    ):
+    if x.is_cuda and _gemv_applies(x, weight, out_dtype):
         # Imported here: CPU installs may have no triton at all.
         from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415
 
-        return linear_triton(x, weight, bias, out_dtype, tiles or gemv_tiles_for(*weight.shape))
+        tiles = tiles or gemv_tiles_for(*weight.shape)
+        return linear_triton(x, weight, bias, out_dtype, tiles)[0]
     return linear_reference(x, weight, bias, out_dtype=out_dtype)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    tiles: GemvTiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's "residual += x; y = norm(residual) @ W^T + b" -> (y [T, N], new residual
+    [T, K]), as ``norm.fused_add_rms_norm`` then ``linear``; on CUDA at decode sizes one GEMV
+    launch that normalises its input itself (no norm kernel)."""
+    if x.is_cuda and _gemv_applies(x, weight, x.dtype):
+        from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415
+
+        tiles = tiles or gemv_tiles_for(*weight.shape)
+        return linear_triton(x, weight, bias, x.dtype, tiles, norm=(residual, norm_weight, eps))
+    normed, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias, tiles=tiles), new_residual
+
+
+def add_rms_norm_linear_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: the fused op's numerics."""
+    normed, new_residual = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
+    return linear_reference(normed, weight, bias), new_residual
+
+
+def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    return (
+        x.dim() == 2
+        and x.shape[0] <= GEMV_MAX_TOKENS
+        and x.dtype == weight.dtype == torch.bfloat16
+        and out_dtype in (torch.bfloat16, torch.float32)
+    )
 
 
 def linear_reference(
