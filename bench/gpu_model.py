@@ -15,7 +15,7 @@ import torch
 
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels.attention import paged_attention_decode
-from gptoss_serve.kernels.linear import add_rms_norm_linear, linear, linear_reference
+from gptoss_serve.kernels.linear import linear, linear_reference
 from gptoss_serve.kernels.moe import MoeWeights, mxfp4_moe
 from gptoss_serve.kernels.norm import fused_add_rms_norm
 from gptoss_serve.kernels.rope import rope_and_cache_write
@@ -121,16 +121,8 @@ class DecodeStep:
         for index, ((attn, moe), (k_cache, v_cache)) in enumerate(
             zip(self.layers, self.caches, strict=True)
         ):
-            if self.dense is linear:  # the norm inside the GEMV: one launch
-                qkv, residual = add_rms_norm_linear(
-                    x, residual, attn.input_norm, config.rms_norm_eps, attn.qkv_weight,
-                    bias=attn.qkv_bias,
-                )  # fmt: skip
-            else:
-                normed, residual = fused_add_rms_norm(
-                    x, residual, attn.input_norm, config.rms_norm_eps
-                )
-                qkv = self.dense(normed, attn.qkv_weight, attn.qkv_bias)
+            normed, residual = fused_add_rms_norm(x, residual, attn.input_norm, config.rms_norm_eps)
+            qkv = self.dense(normed, attn.qkv_weight, attn.qkv_bias)
             q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
             batch = q.shape[0]
             q = rope_and_cache_write(

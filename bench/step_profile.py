@@ -25,7 +25,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels._sampling import sample_tokens_triton
 from gptoss_serve.kernels.attention import paged_attention_decode
-from gptoss_serve.kernels.linear import GemvTiles, add_rms_norm_linear, linear, linear_reference
+from gptoss_serve.kernels.linear import GemvTiles, linear, linear_reference
 from gptoss_serve.kernels.moe import mxfp4_moe
 from gptoss_serve.kernels.norm import fused_add_rms_norm
 from gptoss_serve.kernels.rope import rope_and_cache_write
@@ -83,13 +83,6 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
         ),
         "qkv cublas": dense(linear_reference, "qkv"),
         "qkv triton": dense(linear, "qkv"),
-        "norm + qkv triton (one launch)": (
-            lambda: [
-                add_rms_norm_linear(x, x, w.input_norm, 1e-5, w.qkv_weight, bias=w.qkv_bias)
-                for w in attns
-            ],
-            sum(w.qkv_weight.numel() * 2 for w in attns),
-        ),
         "rope + cache write": (
             lambda: [
                 rope_and_cache_write(

@@ -26,38 +26,29 @@ from gptoss_serve.kernels.linear import GemvTiles
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, weight_ptr, bias_ptr, out_ptr, residual_ptr, norm_weight_ptr, new_residual_ptr,
-    num_tokens, num_rows, stride_x, stride_out, stride_residual, stride_new_residual, eps,
+    x_ptr, weight_ptr, bias_ptr, out_ptr, num_tokens, num_rows, stride_x, stride_out,
     K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr, BN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """out[m, n0:n0 + BN] = x[m] @ W[n0:n0 + BN]^T (+ b) for every token m < num_tokens (at most
     T_PAD, a power of two: one compiled variant per bucket), fp32 accumulation.
 
-    NORM: x[m] is first replaced by rms_norm(x[m] + residual[m]) (``norm.py``'s
-    fused_add_rms_norm, the sum rounded to bf16 as the residual stream is stored), which every
-    program recomputes from its 2 x K inputs (L2 hits) so that no norm kernel runs; program 0
-    writes the new residual."""
+    Tried and dropped: the block's residual add + RMSNorm recomputed in every program in front
+    of the q/k/v GEMV (no norm launch) cost more than the launch it saved (H200, 36 layers:
+    417 us against 60 + 350).
+    """
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_mask = rows < num_rows
     rows = tl.minimum(rows, num_rows - 1)  # the last program's extra rows re-read a real row
     ks = tl.arange(0, K_PAD)
     if HAS_BIAS:  # issued first: a load after the weights' would be a second trip to memory
         bias = tl.load(bias_ptr + rows).to(tl.float32)
-    if NORM:
-        norm_weight = tl.load(norm_weight_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
     w_ptrs = weight_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]
     w = tl.load(w_ptrs, mask=(ks < K)[None, :], other=0.0)  # all-true mask when K_PAD == K
     w = w.to(tl.float32)  # [BN, K_PAD], once for all tokens
     for m in tl.static_range(T_PAD):
         in_row = (ks < K) & (m < num_tokens)
         x = tl.load(x_ptr + m * stride_x + ks, mask=in_row, other=0.0)
-        if NORM:
-            x = _add_rms_norm(
-                x, residual_ptr + m * stride_residual + ks, new_residual_ptr +
-                m * stride_new_residual + ks, in_row, norm_weight, eps, K, HAS_RESIDUAL, INTERPRET,
-            )  # fmt: skip
         y = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BN]
         if HAS_BIAS:
             y += bias
@@ -68,57 +59,27 @@ def _gemv_kernel(
             tl.store(out, _to_bf16(y, INTERPRET), mask=row_mask & (m < num_tokens))
 
 
-@triton.jit
-def _add_rms_norm(
-    x, residual_ptrs, new_residual_ptrs, mask, norm_weight, eps, K: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """One row [K_PAD] bf16 (0 past K) -> rms_norm(x + residual) bf16; program 0 stores the sum."""
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptrs, mask=mask, other=0.0)
-        x = _to_bf16(x.to(tl.float32) + residual.to(tl.float32), INTERPRET)
-    if tl.program_id(0) == 0:
-        tl.store(new_residual_ptrs, x, mask=mask)
-    x = x.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-    return _to_bf16(x * inv_rms * norm_weight, INTERPRET)
-
-
 def linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     tiles: GemvTiles,
-    *,
-    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the GEMV: x [T, K] (unit stride along K), weight [N, K] -> ([T, N] out_dtype,
-    None); with ``norm`` = (residual [T, K] or None, norm weight [K], eps) the input is
-    rms_norm(x + residual) and the second result is the new residual x + residual [T, K]."""
+) -> torch.Tensor:
+    """Launch the GEMV: x [T, K] (unit stride along K), weight [N, K] -> [T, N] out_dtype."""
     num_tokens, k = x.shape
     num_rows = weight.shape[0]
     weight = weight.contiguous()
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(num_tokens, num_rows, dtype=out_dtype, device=x.device)
-    residual, norm_weight, eps = norm if norm is not None else (None, None, 0.0)
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
-    new_residual = torch.empty_like(x) if norm is not None else None
     if num_tokens == 0:
-        return out, new_residual
+        return out
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    dummy = weight  # never read: the pointer of a disabled operand
     _gemv_kernel[(triton.cdiv(num_rows, tiles.rows),)](
-        x, weight, dummy if bias is None else bias, out, dummy if residual is None else residual,
-        dummy if norm_weight is None else norm_weight,
-        dummy if new_residual is None else new_residual, num_tokens, num_rows, x.stride(0),
-        out.stride(0), 0 if residual is None else residual.stride(0),
-        0 if new_residual is None else new_residual.stride(0), eps,
-        K=k, K_PAD=triton.next_power_of_2(k), T_PAD=triton.next_power_of_2(num_tokens),
-        BN=tiles.rows, HAS_BIAS=bias is not None, OUT_FP32=out_dtype == torch.float32,
-        NORM=norm is not None, HAS_RESIDUAL=residual is not None, INTERPRET=interpreting,
-        num_warps=tiles.num_warps,
+        x, weight, weight if bias is None else bias, out, num_tokens, num_rows, x.stride(0),
+        out.stride(0), K=k, K_PAD=triton.next_power_of_2(k),
+        T_PAD=triton.next_power_of_2(num_tokens), BN=tiles.rows, HAS_BIAS=bias is not None,
+        OUT_FP32=out_dtype == torch.float32, INTERPRET=interpreting, num_warps=tiles.num_warps,
     )  # fmt: skip
-    return out, new_residual
+    return out

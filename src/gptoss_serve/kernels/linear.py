@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gptoss_serve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_reference
-
 logger = logging.getLogger(__name__)
 
 # Token counts up to which the GEMV runs: it keeps the weight tile in registers and loops over
@@ -56,44 +54,8 @@ def linear(
         from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415
 
         tiles = tiles or gemv_tiles_for(*weight.shape)
-        return linear_triton(x, weight, bias, out_dtype, tiles)[0]
+        return linear_triton(x, weight, bias, out_dtype, tiles)
     return linear_reference(x, weight, bias, out_dtype=out_dtype)
-
-
-def add_rms_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    tiles: GemvTiles | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block's "residual += x; y = norm(residual) @ W^T + b" -> (y [T, N], new residual
-    [T, K]), as ``norm.fused_add_rms_norm`` then ``linear``; on CUDA at decode sizes one GEMV
-    launch that normalises its input itself (no norm kernel)."""
-    if x.is_cuda and _gemv_applies(x, weight, x.dtype):
-        from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415
-
-        tiles = tiles or gemv_tiles_for(*weight.shape)
-        return linear_triton(x, weight, bias, x.dtype, tiles, norm=(residual, norm_weight, eps))
-    normed, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, tiles=tiles), new_residual
-
-
-def add_rms_norm_linear_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch: the fused op's numerics."""
-    normed, new_residual = fused_add_rms_norm_reference(x, residual, norm_weight, eps)
-    return linear_reference(normed, weight, bias), new_residual
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
