@@ -1,0 +1,88 @@
+"""Decode-attention launch-shape sweep on the GPU (H200): splits per SM, the split cap, keys per
+tile, pipeline stages and warps, at batch 1 (1k to 128k context) and batch 32 (32k).
+
+    python bench/attention_sweep.py [--out bench/results/attention_sweep.json]
+
+Each variant replaces the module's tile constants for its run (the kernels read them at launch),
+then the same CUDA-graph timing as bench/kernels.py: KV bytes / median time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from gpu_model import _normal
+
+from gptoss_serve.checkpoint.presets import preset_config
+from gptoss_serve.config import ModelConfig
+from gptoss_serve.kernels import _attention_decode as decode
+from gptoss_serve.kernels.attention import kv_bytes_read, paged_attention_decode
+from kernels import copy_tbps, graph_time_ms
+
+# (programs per SM, split cap, block_n, num_stages, num_warps); the first is the default.
+VARIANTS = [
+    (4, 64, 64, 5, 4), (8, 128, 64, 5, 4), (16, 256, 64, 5, 4), (8, 128, 64, 3, 4),
+    (8, 128, 128, 3, 4), (8, 128, 32, 5, 4), (4, 64, 128, 3, 8), (8, 128, 64, 5, 2),
+]  # fmt: skip
+CASES = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (32, 32768)]
+
+
+def time_case(config: ModelConfig, batch: int, context: int) -> float:
+    a, kv, d, block = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 16
+    blocks_per_seq = -(-context // block)
+    shape = (batch * blocks_per_seq, block, kv, d)
+    k_cache, v_cache = _normal(shape, 1.0, "cuda"), _normal(shape, 1.0, "cuda")
+    tables = torch.randperm(shape[0], device="cuda").to(torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    sinks = _normal((a,), 1.5, "cuda")
+    queries = [_normal((batch, a, d), 1.0, "cuda") for _ in range(8)]
+    times = graph_time_ms(
+        lambda: [
+            paged_attention_decode(
+                q, k_cache, v_cache, tables, seq_lens, sinks, window=None, scale=d**-0.5
+            )
+            for q in queries
+        ],
+        calls=len(queries),
+    )
+    return kv_bytes_read(seq_lens, None, kv, d) / (statistics.median(times) * 1e-3) / 1e12
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results/attention_sweep.json"
+    )
+    args = parser.parse_args()
+    config = ModelConfig.from_dict(preset_config("120b"))
+    copy = copy_tbps()
+    default = (decode.PROGRAMS_PER_SM, decode.MAX_SPLITS, decode.GPU_TILES)
+    rows = []
+    for pps, cap, block_n, stages, warps in VARIANTS:
+        decode.PROGRAMS_PER_SM, decode.MAX_SPLITS = pps, cap
+        decode.GPU_TILES = decode.DecodeTiles(
+            block_n=block_n, split_min=max(128, block_n), num_warps=warps, num_stages=stages
+        )
+        tbps = [round(time_case(config, b, c), 3) for b, c in CASES]
+        rows.append({"variant": [pps, cap, block_n, stages, warps], "tbps": tbps})
+        torch.cuda.empty_cache()
+    decode.PROGRAMS_PER_SM, decode.MAX_SPLITS, decode.GPU_TILES = default
+    result = {"device": torch.cuda.get_device_name(), "copy_tbps": round(copy, 3),
+              "cases": CASES, "rows": rows}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    header = " ".join(f"bs{b} {c // 1024}k".rjust(10) for b, c in CASES)
+    sys.stdout.write(f"\ncopy {copy:.2f} TB/s\n{'pps,cap,block_n,stages,warps':30} {header}\n")
+    for row in rows:
+        cells = " ".join(f"{t:10.2f}" for t in row["tbps"])
+        sys.stdout.write(f"{','.join(map(str, row['variant'])):30} {cells}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
