@@ -221,9 +221,7 @@ def harmony_grammar() -> str:
         ToolConstraint(name, SCHEMAS[schema])
         for name, schema in (("lookup", "small"), ("register", "nested"))
     )
-    spec = ConstraintSpec(
-        tools=tools, response_schema=SCHEMAS["nested"], reasoning_budget=32
-    )
+    spec = ConstraintSpec(tools=tools, response_schema=SCHEMAS["nested"], reasoning_budget=32)
     return build_grammar(spec)
 
 
@@ -246,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure(lib, label, lib.grammar(schema), args)
         if lib.name == "llguidance":
             rows += measure(lib, "harmony", harmony_grammar(), args)
-    print(f"{'library':<11} {'schema':<8} {'figure':<22} {'value':>10} unit")
+    lines = [f"{'library':<11} {'schema':<8} {'figure':<22} {'value':>10} unit"]
     for name, label, figure, value, unit in rows:
-        print(f"{name:<11} {label:<8} {figure:<22} {value:>10.1f} {unit}")
+        lines.append(f"{name:<11} {label:<8} {figure:<22} {value:>10.1f} {unit}")
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 

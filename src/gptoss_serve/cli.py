@@ -82,6 +82,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gptoss-serve", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING ...")
@@ -113,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output cap for requests without max_output_tokens")  # fmt: skip
     serve.add_argument("--max-concurrent", type=_positive_int, default=8,
                        help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
+    defaults = ServerConfig()
+    for effort in ("low", "medium", "high"):
+        serve.add_argument(f"--reasoning-budget-{effort}", type=_non_negative_int,
+                           default=defaults.reasoning_budget(effort),
+                           help=f"most analysis tokens at reasoning effort {effort} (a request's "
+                           "reasoning_budget overrides it)")  # fmt: skip
 
     make = commands.add_parser("make-checkpoint", help="write a random-weight checkpoint")
     make.add_argument("out", type=Path)
@@ -228,6 +241,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, store_path=str(store_path),
         default_max_output_tokens=args.default_max_output_tokens,
+        reasoning_budget_low=args.reasoning_budget_low,
+        reasoning_budget_medium=args.reasoning_budget_medium,
+        reasoning_budget_high=args.reasoning_budget_high,
     )  # fmt: skip
     model = _load(args)
     name = "demo" if args.model == "demo" else Path(args.model).resolve().name

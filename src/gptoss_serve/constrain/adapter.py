@@ -61,11 +61,19 @@ def _compiled(grammar: str) -> llguidance.LLMatcher:
     matcher = llguidance.LLMatcher(tokenizer(), grammar, log_level=0)
     if matcher.is_error():
         raise GrammarError(_first_line(matcher.get_error()))
+    # An unsatisfiable schema (minimum above maximum ...) may compile to a grammar that allows
+    # no first token: say so now rather than fail the request mid-generation.
+    try:
+        Matcher(matcher.deep_copy()).fill_bitmask(np.zeros(num_mask_words(), dtype=np.int32))
+    except ConstraintError as error:
+        raise GrammarError(f"nothing can match it ({error})") from error
     return matcher
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    """The library's message without its grammar position and listing."""
+    message = " ".join(message.split("\n")[:3]).strip() or "invalid grammar"
+    return message.split("failed to compile JSON schema: ", 1)[-1]
 
 
 def check_grammar(grammar: str) -> None:

@@ -75,9 +75,7 @@ class Vocabulary:
 def vocabulary() -> Vocabulary:
     """Every token's bytes, read once from the loaded encoding (about a second)."""
     enc = encoding()
-    special = {
-        text: enc.encode(text, allowed_special="all")[0] for text in enc.special_tokens_set
-    }
+    special = {text: enc.encode(text, allowed_special="all")[0] for text in enc.special_tokens_set}
     special_ids = frozenset(special.values())
     size = max(special_ids) + 1  # the special tokens close the o200k_harmony id range
     # The library's public decode is lossy (text); its inner object gives the raw bytes.
