@@ -72,8 +72,11 @@ def _compiled(grammar: str) -> llguidance.LLMatcher:
 
 def _first_line(message: str) -> str:
     """The library's message without its grammar position and listing."""
-    message = " ".join(message.split("\n")[:3]).strip() or "invalid grammar"
-    return message.split("failed to compile JSON schema: ", 1)[-1]
+    lines = [line.strip() for line in message.strip().splitlines()] or ["invalid grammar"]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:  # e.g. "regex parse error:" then the detail
+        first = f"{first} {lines[1]}"
+    return first.split("failed to compile JSON schema: ", 1)[-1]
 
 
 def check_grammar(grammar: str) -> None:
