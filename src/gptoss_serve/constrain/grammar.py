@@ -7,7 +7,7 @@ which ``adapter.py`` compiles. Generation starts right after the prompt's
 
     turn      := analysis? preamble? answer
     analysis  := <|channel|>analysis<|message|> TEXT(<= budget tokens) <|end|> <|start|>assistant
-    preamble  := <|channel|>commentary<|message|> TEXT(<= budget tokens) <|end|> <|start|>assistant
+    preamble  := <|channel|>commentary<|message|> TEXT(<= preamble cap) <|end|> <|start|>assistant
     answer    := final | call
     final     := <|channel|>final<|message|> (TEXT | JSON(schema)) <|return|>
     call      := <|channel|>commentary to=functions.NAME <|constrain|>json<|message|> JSON <|call|>
@@ -28,6 +28,9 @@ from typing import Any
 # Harmony's own examples show (`{"location":"Tokyo"}`).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# A preamble ("Let me check.") is a sentence or two: at most this many tokens, and at most half
+# the reasoning budget, so analysis and preamble together stay under 1.5 budgets.
+PREAMBLE_MAX_TOKENS = 64
 _FREE_TEXT = "/(?s:.*)/"
 
 
@@ -47,7 +50,8 @@ class ConstraintSpec:
     ``tools``: the functions a call may go to (empty: no call). ``require_call``: the answer
     must be a call (no final message). ``response_schema``: the final message's content must
     be JSON matching it (None: free text). ``reasoning_budget``: at most this many tokens of
-    analysis (and of preamble) text; 0 allows no analysis message at all.
+    analysis text; 0 allows no analysis message at all. A preamble (a commentary message
+    before a call) may take ``preamble_budget`` tokens.
     """
 
     tools: tuple[ToolConstraint, ...] = ()
@@ -60,6 +64,11 @@ class ConstraintSpec:
             raise ValueError("require_call needs at least one tool")
         if self.reasoning_budget < 0:
             raise ValueError(f"reasoning_budget must be >= 0, got {self.reasoning_budget}")
+
+    @property
+    def preamble_budget(self) -> int:
+        """Most tokens of preamble text; 0 when there is nothing to call (no preamble)."""
+        return min(PREAMBLE_MAX_TOKENS, self.reasoning_budget // 2) if self.tools else 0
 
 
 def json_grammar(schema: dict[str, Any]) -> str:
@@ -78,7 +87,7 @@ def build_grammar(spec: ConstraintSpec) -> str:
     """The grammar of one assistant turn under ``spec``."""
     budget = spec.reasoning_budget
     has_reasoning = budget > 0
-    has_preamble = has_reasoning and bool(spec.tools)
+    has_preamble = spec.preamble_budget > 0
     turn = " ".join(
         part
         for part, present in (
@@ -99,7 +108,7 @@ def build_grammar(spec: ConstraintSpec) -> str:
     if has_preamble:
         lines += [
             f'preamble: <|channel|> "commentary" <|message|> preamble_text {next_header}',
-            f"preamble_text[max_tokens={budget}]: {_FREE_TEXT}",
+            f"preamble_text[max_tokens={spec.preamble_budget}]: {_FREE_TEXT}",
         ]
     if not spec.require_call:
         body = _FREE_TEXT if spec.response_schema is None else json_grammar(spec.response_schema)
