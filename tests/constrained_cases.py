@@ -174,7 +174,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "bounded_number": {
         "type": "object",
-        "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1}},
+        "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25}},
         "required": ["ratio"],
         "additionalProperties": False,
     },

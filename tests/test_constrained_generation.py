@@ -191,7 +191,8 @@ def test_the_grammar_takes_the_forms_our_parser_reads() -> None:
         "<|channel|>reasoning",  # only analysis, commentary, final
         analysis + analysis,  # one analysis message
         '<|channel|>final<|message|>{"version":2,"ok":true}<|end|>',  # final ends in <|return|>
-        '<|channel|>final<|message|>{"version": 2',  # compact JSON only
+        '<|channel|>final<|message|>{"version":  2',  # one space at most
+        '<|channel|>final<|message|>{ "version"',  # nor anywhere else
     ):
         assert not _accepts(grammar, text), text
 

@@ -24,9 +24,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-# Compact JSON: a model cannot pad its answer with whitespace forever, and the output is what
-# Harmony's own examples show (`{"location":"Tokyo"}`).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# One-line JSON with at most one space after `,` and `:` (`{"a":1,"b":2}` as in Harmony's own
+# examples, or `{"a": 1, "b": 2}`): a model cannot pad its answer with whitespace forever.
+# The separators are regular expressions.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # A preamble ("Let me check.") is a sentence or two: at most this many tokens, and at most half
 # the reasoning budget, so analysis and preamble together stay under 1.5 budgets.
