@@ -8,6 +8,7 @@ gptoss-serve make-checkpoint OUT --preset tiny|20b|120b [--layers N ...]
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
 import os
 import sys
@@ -24,6 +25,8 @@ from gptoss_serve.checkpoint.demo import resolve_model_dir
 from gptoss_serve.checkpoint.presets import OVERRIDE_FIELDS
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
 from gptoss_serve.config import ConfigError, ServerConfig
+from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
+from gptoss_serve.engine.constrained import GrammarConstraint
 from gptoss_serve.engine.cpu_engine import CpuEngine
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import Message, MessageDone, MessageStarted, RenderRequest
@@ -104,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--show-analysis", action="store_true", help="also print the reasoning")
+    gen.add_argument("--reasoning-budget", type=_non_negative_int, default=None,
+                     help="most analysis tokens (default: the server's for the effort, capped "
+                     "at half of --max-tokens)")  # fmt: skip
 
     logits = commands.add_parser("logits", help="write float32 logits [T, vocab] of one pass")
     _add_model_args(logits)
@@ -173,37 +179,48 @@ def run_generate(args: argparse.Namespace) -> int:
             reasoning_effort=args.reasoning_effort,
         )
     )
+    budget = args.reasoning_budget
+    if budget is None:
+        budget = min(ServerConfig().reasoning_budget(args.reasoning_effort), args.max_tokens // 2)
+    # The same well-formed Harmony turn as the server's (free text answer, no tools).
+    grammar = build_grammar(ConstraintSpec(reasoning_budget=budget))
     parser = HarmonyStreamParser()
     generated: list[int] = []
     num_messages = 0
     channel = None
-    started = time.perf_counter()
-    for token in generate(model, prompt_ids, params):
-        generated.append(token)
-        for event in parser.feed(token):
-            if isinstance(event, MessageStarted):
-                channel = event.channel
-            elif isinstance(event, MessageDone):
-                num_messages += 1
-            elif channel in ("final", None):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif args.show_analysis:
-                sys.stderr.write(event.text)
-                sys.stderr.flush()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        constraint = GrammarConstraint(grammar, pool)  # the first one builds the vocabulary
+        started = time.perf_counter()
+        for token in generate(model, prompt_ids, params, constraint):
+            generated.append(token)
+            num_messages, channel = _show(parser.feed(token), num_messages, channel, args)
     elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
-    if parser.framing_error is not None or num_messages == 0:
-        reason = parser.framing_error or "no complete Harmony message"
-        sys.stderr.write(
-            f"[the model did not follow Harmony ({reason}); random demo weights do not. "
-            f"Raw output: {adapter.decode(generated)!r}]\n"
-        )
+    if parser.framing_error is not None:
+        sys.stderr.write(f"[Harmony framing error ({parser.framing_error}); raw output: "
+                         f"{adapter.decode(generated)!r}]\n")  # fmt: skip
     rate = len(generated) / elapsed if elapsed > 0 else float("inf")
     sys.stderr.write(
-        f"[{len(prompt_ids)} prompt tokens, {len(generated)} generated, {rate:.1f} tok/s]\n"
+        f"[{len(prompt_ids)} prompt tokens, {len(generated)} generated, {num_messages} messages "
+        f"complete, {rate:.1f} tok/s]\n"
     )
     return 0
+
+
+def _show(events: list, num_messages: int, channel: str | None, args: argparse.Namespace):
+    """Write a token's parse events: final text to stdout, analysis to stderr if asked."""
+    for event in events:
+        if isinstance(event, MessageStarted):
+            channel = event.channel
+        elif isinstance(event, MessageDone):
+            num_messages += 1
+        elif channel in ("final", None):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif args.show_analysis:
+            sys.stderr.write(event.text)
+            sys.stderr.flush()
+    return num_messages, channel
 
 
 def run_logits(args: argparse.Namespace) -> int:
