@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import uvicorn
 
 from gptoss_serve.config import SamplingParams
+from gptoss_serve.constrain import adapter as constrain_adapter
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.harmony import adapter
 
@@ -58,9 +59,15 @@ def harmony_tokens(text: str) -> list[int]:
 class ScriptedEngine:
     """Replays queued token scripts, one per request (the last one repeats when the queue
     runs dry). Honours max_tokens and stop tokens like a real engine. A script may end with
-    an exception instance, raised as EngineError after the tokens before it."""
+    an exception instance, raised as EngineError after the tokens before it.
 
-    def __init__(self, scripts: Sequence[list] = (), model_name: str = "demo") -> None:
+    ``params.grammar`` (the request's constraint) is recorded with the other parameters; with
+    ``enforce_grammar`` every scripted token must also pass it, as in a real engine, and the
+    first refused token raises EngineError."""
+
+    def __init__(
+        self, scripts: Sequence[list] = (), model_name: str = "demo", enforce_grammar: bool = False
+    ) -> None:
         self.info = EngineInfo(model_name, 131072, 201088, created_at=1700000000)
         self.scripts: deque[list] = deque(scripts)
         self.last_script: list = []
@@ -68,6 +75,7 @@ class ScriptedEngine:
         self.params: list[SamplingParams] = []
         self.aborted: list[str] = []
         self.delay = 0.0  # seconds between tokens (to test disconnects)
+        self.enforce_grammar = enforce_grammar
 
     def queue(self, *scripts: list) -> None:
         self.scripts.extend(scripts)
@@ -80,10 +88,18 @@ class ScriptedEngine:
         script = self.scripts.popleft() if self.scripts else self.last_script
         self.last_script = script
         finished = False
+        matcher = None
+        if self.enforce_grammar and params.grammar is not None:
+            matcher = constrain_adapter.new_matcher(params.grammar)
         try:
             for count, token in enumerate(script, start=1):
                 if isinstance(token, BaseException):
                     raise EngineError(str(token)) from token
+                if matcher is not None:
+                    try:
+                        matcher.consume(token)
+                    except constrain_adapter.ConstraintError as error:
+                        raise EngineError(f"grammar refused token {token}") from error
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 yield token

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
 from gptoss_serve.config import SamplingParams
+from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
 from gptoss_serve.engine.client import EngineError
 from gptoss_serve.engine.cpu_engine import CpuEngine
+from gptoss_serve.harmony import adapter
 from gptoss_serve.model import load_model
 from gptoss_serve.model.generate import generate
 
@@ -80,3 +84,35 @@ def test_closed_engine_refuses_new_work(model) -> None:
             await _collect(engine, "late", [1], GREEDY)
 
     asyncio.run(main())
+
+
+def test_requests_with_grammars_follow_them_and_a_bad_grammar_fails_alone(demo_dir) -> None:
+    demo = load_model(demo_dir)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+    grammar = build_grammar(ConstraintSpec(response_schema=schema, reasoning_budget=3))
+    stops = adapter.assistant_stop_token_ids()
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=7, stop_token_ids=stops,
+                            grammar=grammar)  # fmt: skip
+    broken = SamplingParams(max_tokens=4, grammar="start: %json {")
+    prompt = adapter.encode("Give me a number.")
+
+    async def main() -> list:
+        engine = CpuEngine(demo, "demo", max_active=3)
+        try:
+            return await asyncio.gather(
+                _collect(engine, "a", prompt, params),
+                _collect(engine, "bad", prompt, broken),
+                _collect(engine, "b", prompt, dataclasses.replace(params, seed=8)),
+                return_exceptions=True,
+            )
+        finally:
+            await engine.close()
+
+    first, failure, second = asyncio.run(main())
+    assert isinstance(failure, EngineError)
+    for tokens in (first, second):
+        text = adapter.decode(tokens)
+        assert tokens[-1] == adapter.special_token_id("<|return|>"), text
+        final = text.rsplit("<|channel|>final<|message|>", 1)[1].removesuffix("<|return|>")
+        assert 0 <= json.loads(final)["n"] <= 9

@@ -1,7 +1,12 @@
 import pytest
 import torch
 
-from gptoss_serve.kernels.sampling import sample
+from gptoss_serve.kernels.sampling import (
+    allowed_tokens,
+    apply_token_bitmask,
+    sample,
+    sample_allowed,
+)
 from gptoss_serve.model.generate import SamplingParams
 
 
@@ -47,3 +52,40 @@ def test_seed_reproducible() -> None:
 def test_bad_sampling_params(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def _bitmask(allowed: list[int], vocab_size: int) -> torch.Tensor:
+    words = [0] * ((vocab_size + 31) // 32)
+    for token in allowed:
+        words[token // 32] |= 1 << (token % 32)
+    # As int32: bit 31 makes a word negative.
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def test_bitmask_unpacks_to_the_allowed_tokens_including_bit_31() -> None:
+    allowed = [0, 5, 31, 32, 63, 64, 99]
+    bitmask = _bitmask(allowed, 100)
+    assert torch.nonzero(allowed_tokens(bitmask, 100))[:, 0].tolist() == allowed
+    logits = torch.zeros(100)
+    masked = apply_token_bitmask(logits, bitmask)
+    assert torch.isfinite(masked).nonzero()[:, 0].tolist() == allowed
+    batch = torch.stack([bitmask, _bitmask([7], 100)])
+    assert allowed_tokens(batch, 100).sum(-1).tolist() == [len(allowed), 1]
+    with pytest.raises(ValueError, match="bitmask"):
+        allowed_tokens(bitmask, 200)  # too few words for the vocabulary
+
+
+def test_sample_allowed_draws_only_allowed_tokens_with_masked_probabilities() -> None:
+    logits = torch.tensor([5.0, 0.0, 1.0, 1.0, 9.0])
+    bitmask = _bitmask([1, 2, 3], 5)
+    assert sample_allowed(logits, bitmask, temperature=0.0, top_p=1.0, generator=None) == 2
+    generator = torch.Generator().manual_seed(0)
+    draws = [
+        sample_allowed(logits, bitmask, temperature=1.0, top_p=1.0, generator=generator)
+        for _ in range(3000)
+    ]
+    # softmax over {1, 2, 3} with logits 0, 1, 1: 0.155, 0.422, 0.422.
+    assert set(draws) == {1, 2, 3}
+    assert abs(draws.count(1) / 3000 - 0.155) < 0.03
+    with pytest.raises(ValueError, match="no token"):
+        sample_allowed(logits, _bitmask([], 5), temperature=1.0, top_p=1.0, generator=None)

@@ -8,6 +8,7 @@ gptoss-serve make-checkpoint OUT --preset tiny|20b|120b [--layers N ...]
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
 import os
 import sys
@@ -24,6 +25,8 @@ from gptoss_serve.checkpoint.demo import resolve_model_dir
 from gptoss_serve.checkpoint.presets import OVERRIDE_FIELDS
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
 from gptoss_serve.config import ConfigError, ServerConfig
+from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
+from gptoss_serve.engine.constrained import GrammarConstraint
 from gptoss_serve.engine.cpu_engine import CpuEngine
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import Message, MessageDone, MessageStarted, RenderRequest
@@ -82,6 +85,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gptoss-serve", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING ...")
@@ -97,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--show-analysis", action="store_true", help="also print the reasoning")
+    gen.add_argument("--reasoning-budget", type=_non_negative_int, default=None,
+                     help="most analysis tokens (default: the server's for the effort, capped "
+                     "at half of --max-tokens)")  # fmt: skip
 
     logits = commands.add_parser("logits", help="write float32 logits [T, vocab] of one pass")
     _add_model_args(logits)
@@ -113,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output cap for requests without max_output_tokens")  # fmt: skip
     serve.add_argument("--max-concurrent", type=_positive_int, default=8,
                        help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
+    defaults = ServerConfig()
+    for effort in ("low", "medium", "high"):
+        serve.add_argument(f"--reasoning-budget-{effort}", type=_non_negative_int,
+                           default=defaults.reasoning_budget(effort),
+                           help=f"most analysis tokens at reasoning effort {effort} (a request's "
+                           "reasoning_budget overrides it)")  # fmt: skip
 
     make = commands.add_parser("make-checkpoint", help="write a random-weight checkpoint")
     make.add_argument("out", type=Path)
@@ -160,37 +179,48 @@ def run_generate(args: argparse.Namespace) -> int:
             reasoning_effort=args.reasoning_effort,
         )
     )
+    budget = args.reasoning_budget
+    if budget is None:
+        budget = min(ServerConfig().reasoning_budget(args.reasoning_effort), args.max_tokens // 2)
+    # The same well-formed Harmony turn as the server's (free text answer, no tools).
+    grammar = build_grammar(ConstraintSpec(reasoning_budget=budget))
     parser = HarmonyStreamParser()
     generated: list[int] = []
     num_messages = 0
     channel = None
-    started = time.perf_counter()
-    for token in generate(model, prompt_ids, params):
-        generated.append(token)
-        for event in parser.feed(token):
-            if isinstance(event, MessageStarted):
-                channel = event.channel
-            elif isinstance(event, MessageDone):
-                num_messages += 1
-            elif channel in ("final", None):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif args.show_analysis:
-                sys.stderr.write(event.text)
-                sys.stderr.flush()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        constraint = GrammarConstraint(grammar, pool)  # the first one builds the vocabulary
+        started = time.perf_counter()
+        for token in generate(model, prompt_ids, params, constraint):
+            generated.append(token)
+            num_messages, channel = _show(parser.feed(token), num_messages, channel, args)
     elapsed = time.perf_counter() - started
     sys.stdout.write("\n")
-    if parser.framing_error is not None or num_messages == 0:
-        reason = parser.framing_error or "no complete Harmony message"
-        sys.stderr.write(
-            f"[the model did not follow Harmony ({reason}); random demo weights do not. "
-            f"Raw output: {adapter.decode(generated)!r}]\n"
-        )
+    if parser.framing_error is not None:
+        sys.stderr.write(f"[Harmony framing error ({parser.framing_error}); raw output: "
+                         f"{adapter.decode(generated)!r}]\n")  # fmt: skip
     rate = len(generated) / elapsed if elapsed > 0 else float("inf")
     sys.stderr.write(
-        f"[{len(prompt_ids)} prompt tokens, {len(generated)} generated, {rate:.1f} tok/s]\n"
+        f"[{len(prompt_ids)} prompt tokens, {len(generated)} generated, {num_messages} messages "
+        f"complete, {rate:.1f} tok/s]\n"
     )
     return 0
+
+
+def _show(events: list, num_messages: int, channel: str | None, args: argparse.Namespace):
+    """Write a token's parse events: final text to stdout, analysis to stderr if asked."""
+    for event in events:
+        if isinstance(event, MessageStarted):
+            channel = event.channel
+        elif isinstance(event, MessageDone):
+            num_messages += 1
+        elif channel in ("final", None):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif args.show_analysis:
+            sys.stderr.write(event.text)
+            sys.stderr.flush()
+    return num_messages, channel
 
 
 def run_logits(args: argparse.Namespace) -> int:
@@ -228,6 +258,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, store_path=str(store_path),
         default_max_output_tokens=args.default_max_output_tokens,
+        reasoning_budget_low=args.reasoning_budget_low,
+        reasoning_budget_medium=args.reasoning_budget_medium,
+        reasoning_budget_high=args.reasoning_budget_high,
     )  # fmt: skip
     model = _load(args)
     name = "demo" if args.model == "demo" else Path(args.model).resolve().name

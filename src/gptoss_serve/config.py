@@ -6,6 +6,7 @@ Every validation error names the offending field so a user can fix their config.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -273,7 +274,8 @@ class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; ``seed`` makes sampling reproducible.
 
     Generation stops after a token in ``stop_token_ids`` (which is emitted) or after
-    ``max_tokens`` tokens.
+    ``max_tokens`` tokens. ``grammar`` (constrained decoding) is the text of the grammar every
+    generated token must follow, in the syntax of ``gptoss_serve.constrain``; None: none.
     """
 
     max_tokens: int = 256
@@ -281,6 +283,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    grammar: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -299,6 +302,21 @@ class ServerConfig:
     # Output cap when a request gives no max_output_tokens (None: the rest of the context).
     default_max_output_tokens: int | None = 4096
     reasoning_effort: str = "medium"  # when a request gives none
+    # Most tokens of analysis text per reasoning effort, unless a request sets its own
+    # `reasoning_budget`; also capped at half the request's output tokens, so that a response
+    # never spends all of max_output_tokens reasoning unless it asked to.
+    reasoning_budget_low: int = 512
+    reasoning_budget_medium: int = 2048
+    reasoning_budget_high: int = 8192
+
+    def __post_init__(self) -> None:
+        for effort in ("low", "medium", "high"):
+            if self.reasoning_budget(effort) < 0:
+                raise ValueError(f"reasoning_budget_{effort} must be >= 0")
+
+    def reasoning_budget(self, effort: str) -> int:
+        """The default analysis budget (tokens) of a reasoning effort."""
+        return getattr(self, f"reasoning_budget_{effort}")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,11 @@ class EngineClient(Protocol):
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[int]:
         """Stream the generated token ids (the last is a stop token unless max_tokens ran
-        out). Raises EngineError if generation fails. Closing the iterator aborts it."""
+        out). Raises EngineError if generation fails. Closing the iterator aborts it.
+
+        With ``params.grammar`` set, every token is drawn among those the grammar allows
+        (``gptoss_serve.constrain``); a grammar that cannot go on fails the request with
+        EngineError, it never hangs."""
         ...
 
     async def close(self) -> None:

@@ -4,11 +4,15 @@ Requests are not batched (the plain-torch model runs one sequence per call); ins
 worker round-robins: each pass prefills newly admitted requests and decodes one token for
 every active one, so concurrent requests all make progress. The event loop never runs the
 model: tokens cross back to it with ``call_soon_threadsafe``.
+
+A request with a grammar (``params.grammar``) samples under its mask; the next mask is
+computed on a mask thread while the model runs the request's forward pass (constrained.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.constrained import GrammarConstraint
 from gptoss_serve.model.generate import Generation
 from gptoss_serve.model.transformer import GptOssForCausalLM
 
@@ -35,6 +40,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     generation: Generation | None = None
+    constraint: GrammarConstraint | None = None
     is_cancelled: bool = False
     is_done: bool = False
 
@@ -59,6 +65,9 @@ class CpuEngine:
         self._pending: deque[_Job] = deque()
         self._active: list[_Job] = []
         self._is_stopped = False
+        # Mask computations overlap the forward passes; one worker thread keeps up (a mask
+        # takes tens of microseconds, a forward pass milliseconds).
+        self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
         self._thread.start()
 
@@ -104,6 +113,7 @@ class CpuEngine:
                 self._step(job)
         for job in [*self._active, *self._pending]:
             job.post(EngineError("the engine shut down"))
+        self._mask_pool.shutdown(wait=True)
 
     def _step(self, job: _Job) -> None:
         if job.is_cancelled:
@@ -111,7 +121,9 @@ class CpuEngine:
             return
         try:
             if job.generation is None:
-                job.generation = Generation(self.model, job.prompt_ids, job.params)
+                if job.params.grammar is not None:
+                    job.constraint = GrammarConstraint(job.params.grammar, self._mask_pool)
+                job.generation = Generation(self.model, job.prompt_ids, job.params, job.constraint)
             token = job.generation.step()
         except Exception as error:  # one request fails; the engine and the others go on
             logger.exception("request %s failed", job.request_id)
@@ -123,6 +135,8 @@ class CpuEngine:
             self._finish(job, _DONE)
 
     def _finish(self, job: _Job, item: object) -> None:
+        if job.constraint is not None:
+            job.constraint.cancel()
         job.is_done = True
         if item is not None:
             job.post(item)

@@ -42,6 +42,52 @@ def decode(token_ids: Sequence[int]) -> str:
     return encoding().decode(list(token_ids))
 
 
+# o200k's pre-tokenizer split (tiktoken's ``o200k_base`` pat_str); a grammar library needs it to
+# tokenize forced text the way the model's tokenizer does.
+O200K_SPLIT_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The whole o200k_harmony vocabulary as plain data (what a grammar library is built from).
+
+    ``ordinary`` maps each ordinary token's bytes to its id; ``special`` maps each special
+    token's text (``<|end|>``, ``<|reserved_200013|>`` ...) to its id; ids run 0..size-1.
+    """
+
+    ordinary: dict[bytes, int]
+    special: dict[str, int]
+    size: int
+    split_pattern: str = O200K_SPLIT_PATTERN
+
+
+@functools.cache
+def vocabulary() -> Vocabulary:
+    """Every token's bytes, read once from the loaded encoding (about a second)."""
+    enc = encoding()
+    special = {text: enc.encode(text, allowed_special="all")[0] for text in enc.special_tokens_set}
+    special_ids = frozenset(special.values())
+    size = max(special_ids) + 1  # the special tokens close the o200k_harmony id range
+    # The library's public decode is lossy (text); its inner object gives the raw bytes.
+    decode_bytes = enc._inner.decode_bytes
+    ordinary = {
+        bytes(decode_bytes([token_id])): token_id
+        for token_id in range(size)
+        if token_id not in special_ids
+    }
+    return Vocabulary(ordinary, special, size)
+
+
 def assistant_stop_token_ids() -> tuple[int, ...]:
     """Stop sampling at ``<|return|>`` or ``<|call|>`` only (never ``<|end|>``)."""
     return tuple(encoding().stop_tokens_for_assistant_actions())

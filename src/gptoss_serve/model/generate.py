@@ -2,30 +2,57 @@
 
 ``Generation`` holds one sequence's state (cache, generator, pending logits) so an engine can
 interleave several sequences token by token; ``generate`` is the simple loop over one.
+
+A ``TokenConstraint`` (constrained decoding) masks the logits before each draw. Its mask for
+the next token is started as soon as a token is drawn and only awaited at the next draw, so
+an implementation may compute it while the forward pass runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 
 from gptoss_serve.config import SamplingParams
-from gptoss_serve.kernels.sampling import sample
+from gptoss_serve.kernels.sampling import sample, sample_allowed
 from gptoss_serve.model.transformer import GptOssForCausalLM
 
-__all__ = ["Generation", "SamplingParams", "generate"]
+__all__ = ["Generation", "SamplingParams", "TokenConstraint", "generate"]
+
+
+class TokenConstraint(Protocol):
+    """The grammar of one sequence, as the sampler sees it."""
+
+    def start(self) -> None:
+        """Begin computing the first token's mask (called before the prefill runs)."""
+        ...
+
+    def bitmask(self) -> torch.Tensor:
+        """The mask of the token about to be drawn: int32 [ceil(V / 32)] (waits for it).
+        Raises if the grammar cannot go on (it allows no token)."""
+        ...
+
+    def advance(self, token_id: int) -> None:
+        """The drawn token: begin computing the next mask (called before the forward pass)."""
+        ...
 
 
 class Generation:
     """One sequence being generated. ``step()`` returns the next token, or None when done."""
 
     def __init__(
-        self, model: GptOssForCausalLM, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        model: GptOssForCausalLM,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         check_prompt(model, prompt_ids)
         self.model = model
         self.params = params
+        self.constraint = constraint
         self.num_generated = 0
         self.is_finished = False
         self._generator = _generator(model.device, params)
@@ -38,12 +65,16 @@ class Generation:
         if self.is_finished:
             return None
         if self._logits is None:  # prefill: only the last position's logits are needed
+            if self.constraint is not None:
+                self.constraint.start()
             self._logits = self.model(self._prompt, self._cache, last_only=True)[-1]
         params = self.params
-        token = sample(
-            self._logits, temperature=params.temperature, top_p=params.top_p,
-            generator=self._generator,
-        )  # fmt: skip
+        options = dict(temperature=params.temperature, top_p=params.top_p)
+        if self.constraint is None:
+            token = sample(self._logits, **options, generator=self._generator)
+        else:
+            bitmask = self.constraint.bitmask()
+            token = sample_allowed(self._logits, bitmask, **options, generator=self._generator)
         self.num_generated += 1
         context = self.model.config.max_position_embeddings
         if (
@@ -54,6 +85,8 @@ class Generation:
             self.is_finished = True
             self._logits = None
         else:
+            if self.constraint is not None:
+                self.constraint.advance(token)  # the next mask is computed during the forward
             self._logits = self.model(torch.tensor([token]), self._cache)[-1]
         return token
 
@@ -82,9 +115,12 @@ def _generator(device: torch.device, params: SamplingParams) -> torch.Generator 
 
 
 def generate(
-    model: GptOssForCausalLM, prompt_ids: Sequence[int], params: SamplingParams
+    model: GptOssForCausalLM,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    constraint: TokenConstraint | None = None,
 ) -> Iterator[int]:
     """Yield sampled token ids; the last one is a stop token unless max_tokens ran out."""
-    generation = Generation(model, prompt_ids, params)
+    generation = Generation(model, prompt_ids, params, constraint)
     while (token := generation.step()) is not None:
         yield token

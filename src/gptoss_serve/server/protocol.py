@@ -215,6 +215,10 @@ class CreateResponseRequest(_Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     stream_options: dict[str, Any] | None = None
+    # Extension (not in the official API): most tokens of analysis text before the answer must
+    # begin; 0 means no reasoning. Without it, the server's budget for the reasoning effort
+    # (capped at half of the output tokens) applies. Send it with the SDK's `extra_body`.
+    reasoning_budget: int | None = Field(default=None, ge=0)
 
     @field_validator("metadata")
     @classmethod

@@ -24,6 +24,7 @@ from gptoss_serve.harmony.conversation import (
 from gptoss_serve.harmony.parse import HarmonyStreamParser
 from gptoss_serve.harmony.render import render_prompt
 from gptoss_serve.server import events
+from gptoss_serve.server.constraints import constraint_grammar, reasoning_budget
 from gptoss_serve.server.conversation import (
     InputConverter,
     item_from_json,
@@ -97,6 +98,7 @@ def prepare(
     prompt_ids, render = _fit_context(render, request, info.max_context_tokens)
     room = info.max_context_tokens - len(prompt_ids)
     max_tokens = min(request.max_output_tokens or config.default_max_output_tokens or room, room)
+    budget = reasoning_budget(request, render.reasoning_effort, max_tokens, config)
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     params = SamplingParams(
@@ -104,6 +106,7 @@ def prepare(
         temperature=0.0 if top_p == 0 else temperature,  # top_p 0 keeps only the top token
         top_p=top_p or 1.0,
         stop_token_ids=adapter.assistant_stop_token_ids(),
+        grammar=constraint_grammar(request, budget),
     )
     response = ResponseObject(
         id=new_id("resp"),

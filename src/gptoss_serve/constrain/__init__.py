@@ -1,0 +1,1 @@
+"""Constrained decoding: per-request grammars over the Harmony format, and their matchers."""

@@ -1,0 +1,118 @@
+"""The one module that imports ``llguidance`` (pinned in pyproject.toml).
+
+``check_grammar`` compiles a grammar (cached by its text) or raises ``GrammarError``;
+``new_matcher`` gives a request its own ``Matcher``, a copy of the cached compiled one.
+Masks are bitmasks: int32 words, bit ``i % 32`` of word ``i // 32`` set when token ``i`` is
+allowed (the layout the sampler's ``apply_token_bitmask`` reads). The library releases the
+GIL while it computes a mask, so an engine can compute one while the model runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from gptoss_serve.harmony import adapter as harmony
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept by text (a request's grammar depends only on its tools, format and
+# budget, so repeated requests hit); each is an LLMatcher in its start state, never advanced.
+_CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """A grammar (in practice: a JSON Schema inside it) the library cannot compile."""
+
+
+class ConstraintError(RuntimeError):
+    """A matcher refused a token or allows none: the request cannot go on."""
+
+
+@functools.cache
+def tokenizer() -> llguidance.LLTokenizer:
+    """The o200k_harmony vocabulary as llguidance sees it (built once, about 2 s)."""
+    vocab = harmony.vocabulary()
+    stop_ids = list(harmony.assistant_stop_token_ids())
+    return llguidance.LLTokenizer.from_tiktoken(
+        encoder=vocab.ordinary,
+        special_tokens=vocab.special,
+        pattern=vocab.split_pattern,
+        eos_token=stop_ids,
+        n_vocab=vocab.size,
+    )
+
+
+def num_mask_words() -> int:
+    """int32 words of one bitmask."""
+    return (tokenizer().vocab_size + 31) // 32
+
+
+_lock = threading.Lock()  # the server's threads and the engine's worker share the cache
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _compiled(grammar: str) -> llguidance.LLMatcher:
+    matcher = llguidance.LLMatcher(tokenizer(), grammar, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(_first_line(matcher.get_error()))
+    # An unsatisfiable schema (minimum above maximum ...) may compile to a grammar that allows
+    # no first token: say so now rather than fail the request mid-generation.
+    try:
+        Matcher(matcher.deep_copy()).fill_bitmask(np.zeros(num_mask_words(), dtype=np.int32))
+    except ConstraintError as error:
+        raise GrammarError(f"nothing can match it ({error})") from error
+    return matcher
+
+
+def _first_line(message: str) -> str:
+    """The library's message without its grammar position and listing."""
+    lines = [line.strip() for line in message.strip().splitlines()] or ["invalid grammar"]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:  # e.g. "regex parse error:" then the detail
+        first = f"{first} {lines[1]}"
+    return first.split("failed to compile JSON schema: ", 1)[-1]
+
+
+def check_grammar(grammar: str) -> None:
+    """Compile ``grammar`` (or find it compiled); raise GrammarError if it cannot be."""
+    with _lock:
+        _compiled(grammar)
+
+
+def new_matcher(grammar: str) -> Matcher:
+    """A fresh matcher for one request (raises GrammarError for a bad grammar)."""
+    with _lock:
+        template = _compiled(grammar)
+    return Matcher(template.deep_copy())
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def fill_bitmask(self, bitmask: np.ndarray) -> None:
+        """Write the next token's mask into ``bitmask`` (int32 [num_mask_words()]);
+        raises ConstraintError when no token is allowed."""
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask[None, :], 0)
+        if self._matcher.is_error():
+            raise ConstraintError(self._matcher.get_error())
+        if not bitmask.any():
+            raise ConstraintError("the grammar allows no next token")
+
+    def consume(self, token_id: int) -> None:
+        """Advance by the sampled token; raises ConstraintError if the grammar refuses it."""
+        if not self._matcher.consume_token(token_id):
+            raise ConstraintError(f"token {token_id} refused: {self._matcher.get_error()}")
+
+    @property
+    def is_finished(self) -> bool:
+        """The turn is complete: only a stop token could follow."""
+        return self._matcher.is_stopped()

@@ -1,0 +1,121 @@
+"""A request's guarantees as a grammar: tool_choice, text.format and the reasoning budget.
+
+``constraint_grammar`` builds the ``ConstraintSpec`` of a request, checks every JSON Schema
+it enforces (a schema the grammar library cannot express, or an invalid one, is a 400 whose
+``param`` names it), and returns the grammar text that the engine's sampler follows. Every
+compiled grammar is cached by its text, so the engine's matcher costs a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gptoss_serve.config import ServerConfig
+from gptoss_serve.constrain import adapter
+from gptoss_serve.constrain.grammar import (
+    ANY_OBJECT,
+    ConstraintSpec,
+    ToolConstraint,
+    build_grammar,
+    schema_grammar,
+)
+from gptoss_serve.server.errors import bad_request
+from gptoss_serve.server.protocol import (
+    CreateResponseRequest,
+    FunctionToolParam,
+    TextFormatJsonObject,
+    TextFormatJsonSchema,
+    ToolChoiceAllowed,
+    ToolChoiceFunction,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def reasoning_budget(
+    request: CreateResponseRequest, effort: str, max_tokens: int, config: ServerConfig
+) -> int:
+    """The request's own ``reasoning_budget`` as given; else the effort's default, capped at
+    half of ``max_tokens`` so that the answer always has room."""
+    if request.reasoning_budget is not None:
+        return request.reasoning_budget
+    return min(config.reasoning_budget(effort), max_tokens // 2)
+
+
+def constraint_grammar(request: CreateResponseRequest, budget: int) -> str:
+    """The grammar of this request's answer; raises a 400 APIError for a bad schema."""
+    spec = constraint_spec(request, budget)
+    for schema, param in _enforced_schemas(request, spec):
+        _check_schema(schema, param)
+    grammar = build_grammar(spec)
+    adapter.check_grammar(grammar)  # each part compiled above: a failure here is our bug
+    return grammar
+
+
+def constraint_spec(request: CreateResponseRequest, budget: int) -> ConstraintSpec:
+    """tool_choice and text.format as a ConstraintSpec (the tool names are already checked)."""
+    choice = request.tool_choice
+    callable_names = [tool.name for tool in request.tools]
+    require_call = choice == "required"
+    if choice == "none":
+        callable_names = []
+    elif isinstance(choice, ToolChoiceFunction):
+        callable_names, require_call = [choice.name], True
+    elif isinstance(choice, ToolChoiceAllowed):
+        listed = {ref.name for ref in choice.tools}
+        callable_names = [name for name in callable_names if name in listed]
+        require_call = choice.mode == "required"
+    by_name = {tool.name: tool for tool in request.tools}
+    tools = tuple(
+        ToolConstraint(name, _arguments_schema(by_name[name], require_call))
+        for name in callable_names
+    )
+    return ConstraintSpec(
+        tools=tools,
+        require_call=require_call,
+        response_schema=_response_schema(request),
+        reasoning_budget=budget,
+    )
+
+
+def _arguments_schema(tool: FunctionToolParam, is_forced: bool) -> dict[str, Any]:
+    """A strict tool's arguments always match its parameters, and so do a forced call's;
+    otherwise they are any JSON object."""
+    if (tool.strict or is_forced) and tool.parameters is not None:
+        return tool.parameters
+    return ANY_OBJECT
+
+
+def _response_schema(request: CreateResponseRequest) -> dict[str, Any] | None:
+    fmt = request.text.format
+    if isinstance(fmt, TextFormatJsonSchema):
+        return fmt.schema_
+    if isinstance(fmt, TextFormatJsonObject):
+        return ANY_OBJECT
+    return None
+
+
+def _enforced_schemas(
+    request: CreateResponseRequest, spec: ConstraintSpec
+) -> list[tuple[dict[str, Any], str]]:
+    """(schema, param) of every schema the grammar enforces, and of every strict tool's
+    parameters even when this request cannot call it (a strict schema is always checked)."""
+    schemas = []
+    if isinstance(request.text.format, TextFormatJsonSchema):
+        schemas.append((request.text.format.schema_, "text.format.schema"))
+    enforced = {tool.name for tool in spec.tools if tool.parameters is not ANY_OBJECT}
+    for index, tool in enumerate(request.tools):
+        if tool.parameters is not None and (tool.strict or tool.name in enforced):
+            schemas.append((tool.parameters, f"tools[{index}].parameters"))
+    return schemas
+
+
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    try:
+        adapter.check_grammar(schema_grammar(schema))
+    except adapter.GrammarError as error:
+        raise bad_request(
+            f"Invalid or unsupported JSON Schema: {error} (supported keywords: see "
+            "docs/constrained-decoding.md).", param, "invalid_json_schema",
+        ) from error  # fmt: skip
