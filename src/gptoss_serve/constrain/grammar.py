@@ -5,7 +5,7 @@ as ``<|end|>``, JSON Schemas inlined as ``%json {...}``, ``max_tokens`` on a ter
 which ``adapter.py`` compiles. Generation starts right after the prompt's
 ``<|start|>assistant``, so the grammar spells each message from its header on:
 
-    turn      := analysis? preamble? answer
+    turn      := analysis[?] preamble? answer
     analysis  := <|channel|>analysis<|message|> TEXT(<= budget tokens) <|end|> <|start|>assistant
     preamble  := <|channel|>commentary<|message|> TEXT(<= preamble cap) <|end|> <|start|>assistant
     answer    := final | call
@@ -13,7 +13,8 @@ which ``adapter.py`` compiles. Generation starts right after the prompt's
     call      := <|channel|>commentary to=functions.NAME <|constrain|>json<|message|> JSON <|call|>
 
 This is the form our renderer writes and openai-harmony parses (docs/constrained-decoding.md).
-The analysis is optional (a model may answer at once), and once its text reaches the budget
+The analysis opens a plain turn (no JSON format, no forced call), as in gpt-oss's own turns,
+and is optional otherwise (a model may answer at once); once its text reaches the budget
 only ``<|end|>`` may follow, so the answer always begins. Texts cannot contain special tokens:
 a grammar's regular expressions match bytes of ordinary tokens only.
 """
@@ -51,14 +52,17 @@ class ConstraintSpec:
     ``tools``: the functions a call may go to (empty: no call). ``require_call``: the answer
     must be a call (no final message). ``response_schema``: the final message's content must
     be JSON matching it (None: free text). ``reasoning_budget``: at most this many tokens of
-    analysis text; 0 allows no analysis message at all. A preamble (a commentary message
-    before a call) may take ``preamble_budget`` tokens.
+    analysis text; 0 allows no analysis message at all. ``require_reasoning``: with a budget,
+    the turn opens with its analysis message (as gpt-oss's own turns do); else the analysis is
+    optional, so an answer written first is still held to the format. A preamble (a commentary
+    message before a call) may take ``preamble_budget`` tokens.
     """
 
     tools: tuple[ToolConstraint, ...] = ()
     require_call: bool = False
     response_schema: dict[str, Any] | None = None
     reasoning_budget: int = 1024
+    require_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.require_call and not self.tools:
@@ -92,7 +96,7 @@ def build_grammar(spec: ConstraintSpec) -> str:
     turn = " ".join(
         part
         for part, present in (
-            ("analysis?", has_reasoning),
+            ("analysis" if spec.require_reasoning else "analysis?", has_reasoning),
             ("preamble?", has_preamble),
             ("answer", True),
         )

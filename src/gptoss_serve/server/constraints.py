@@ -71,11 +71,15 @@ def constraint_spec(request: CreateResponseRequest, budget: int) -> ConstraintSp
         ToolConstraint(name, _arguments_schema(by_name[name], require_call))
         for name in callable_names
     )
+    response_schema = _response_schema(request)
     return ConstraintSpec(
         tools=tools,
         require_call=require_call,
-        response_schema=_response_schema(request),
+        response_schema=response_schema,
         reasoning_budget=budget,
+        # A plain response reasons first, as gpt-oss does; with a JSON format or a forced
+        # call the answer may also come first and is held to the format either way.
+        require_reasoning=response_schema is None and not require_call,
     )
 
 
