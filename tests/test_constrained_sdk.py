@@ -127,7 +127,10 @@ def _tool_requests(
     return [
         {
             **_variant(index),
-            "max_output_tokens": 96,
+            # Room for the longest turn the grammar allows: analysis at the default budget
+            # (half of this), a preamble (<= 64 tokens), the call's header and its arguments
+            # (< 64 tokens for these schemas); 96 let a random model run out before the call.
+            "max_output_tokens": 320,
             "input": "Use a tool.",
             "tools": tools(strict=strict),
             "tool_choice": tool_choice(index),
