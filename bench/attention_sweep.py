@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-from gpu_model import _normal
 
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _attention_decode as decode
-from gptoss_serve.kernels.attention import kv_bytes_read, paged_attention_decode
-from kernels import copy_tbps, graph_time_ms
+from kernels import attention_decode_tbps, copy_tbps
 
 # (programs per SM, split cap, block_n, num_stages, num_warps); the first is the default.
 VARIANTS = [
@@ -30,27 +27,6 @@ VARIANTS = [
     (8, 128, 128, 3, 4), (8, 128, 32, 5, 4), (4, 64, 128, 3, 8), (8, 128, 64, 5, 2),
 ]  # fmt: skip
 CASES = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (32, 32768)]
-
-
-def time_case(config: ModelConfig, batch: int, context: int) -> float:
-    a, kv, d, block = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 16
-    blocks_per_seq = -(-context // block)
-    shape = (batch * blocks_per_seq, block, kv, d)
-    k_cache, v_cache = _normal(shape, 1.0, "cuda"), _normal(shape, 1.0, "cuda")
-    tables = torch.randperm(shape[0], device="cuda").to(torch.int32).view(batch, -1)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    sinks = _normal((a,), 1.5, "cuda")
-    queries = [_normal((batch, a, d), 1.0, "cuda") for _ in range(8)]
-    times = graph_time_ms(
-        lambda: [
-            paged_attention_decode(
-                q, k_cache, v_cache, tables, seq_lens, sinks, window=None, scale=d**-0.5
-            )
-            for q in queries
-        ],
-        calls=len(queries),
-    )
-    return kv_bytes_read(seq_lens, None, kv, d) / (statistics.median(times) * 1e-3) / 1e12
 
 
 def main() -> int:
@@ -68,7 +44,7 @@ def main() -> int:
         decode.GPU_TILES = decode.DecodeTiles(
             block_n=block_n, split_min=max(128, block_n), num_warps=warps, num_stages=stages
         )
-        tbps = [round(time_case(config, b, c), 3) for b, c in CASES]
+        tbps = [round(attention_decode_tbps(config, b, c), 3) for b, c in CASES]
         rows.append({"variant": [pps, cap, block_n, stages, warps], "tbps": tbps})
         torch.cuda.empty_cache()
     decode.PROGRAMS_PER_SM, decode.MAX_SPLITS, decode.GPU_TILES = default

@@ -103,31 +103,37 @@ def bench_moe(config: ModelConfig, results: dict, rows: list, ceilings: dict) ->
         rows.append((f"MoE prefill, {tokens} tok", tflops, "TFLOP/s", ceilings["matmul"]))
 
 
+def attention_decode_tbps(config: ModelConfig, batch: int, context: int) -> float:
+    """Paged decode attention of ``batch`` sequences of ``context`` keys (random cache, pages in
+    random order, 8 calls per replay): KV bytes read / median time, in TB/s."""
+    a, kv, d, block = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 16
+    blocks_per_seq = -(-context // block)
+    shape = (batch * blocks_per_seq, block, kv, d)
+    k_cache, v_cache = _normal(shape, 1.0, "cuda"), _normal(shape, 1.0, "cuda")
+    tables = torch.randperm(shape[0], device="cuda").to(torch.int32).view(batch, -1)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    sinks = _normal((a,), 1.5, "cuda")
+    queries = [_normal((batch, a, d), 1.0, "cuda") for _ in range(8)]
+    times = graph_time_ms(
+        lambda: [
+            paged_attention_decode(
+                q, k_cache, v_cache, tables, seq_lens, sinks, window=None, scale=d**-0.5
+            )
+            for q in queries
+        ],
+        calls=len(queries),
+    )
+    return kv_bytes_read(seq_lens, None, kv, d) / (statistics.median(times) * 1e-3) / 1e12
+
+
 def bench_attention(config: ModelConfig, results: dict, rows: list, ceilings: dict,
                     contexts: tuple[int, ...]) -> None:  # fmt: skip
-    a, kv, d, block = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 16
     for batch in (1, 32):
         for context in contexts:
-            blocks_per_seq = -(-context // block)
-            shape = (batch * blocks_per_seq, block, kv, d)
-            k_cache, v_cache = _normal(shape, 1.0, "cuda"), _normal(shape, 1.0, "cuda")
-            tables = torch.randperm(shape[0], device="cuda").to(torch.int32).view(batch, -1)
-            seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-            sinks = _normal((a,), 1.5, "cuda")
-            queries = [_normal((batch, a, d), 1.0, "cuda") for _ in range(8)]
-            times = graph_time_ms(
-                lambda queries=queries, k=k_cache, v=v_cache, t=tables, s=seq_lens, sk=sinks: [
-                    paged_attention_decode(q, k, v, t, s, sk, window=None, scale=d**-0.5)
-                    for q in queries
-                ],
-                calls=len(queries),
-            )
-            nbytes = kv_bytes_read(seq_lens, None, kv, d)
-            tbps = nbytes / (statistics.median(times) * 1e-3) / 1e12
+            tbps = attention_decode_tbps(config, batch, context)
             label = f"{context // 1024}k" if context >= 1024 else str(context)
             results[f"attn_decode_bs{batch}_{label}_tbps"] = round(tbps, 3)
             rows.append((f"decode attention bs{batch}, {label}", tbps, "TB/s", ceilings["copy"]))
-            del k_cache, v_cache
 
 
 def bench_decode_step(config: ModelConfig, results: dict, rows: list) -> None:
