@@ -20,14 +20,29 @@ import numpy as np
 import torch
 import uvicorn
 
+from gptoss_serve.benchmarks.engine_run import (
+    cap_process_memory,
+    fit_check_subprocess,
+    git_commit,
+    run_engine_bench,
+    run_fit_check,
+    write_results,
+)
 from gptoss_serve.checkpoint import CheckpointError
 from gptoss_serve.checkpoint.demo import resolve_model_dir
 from gptoss_serve.checkpoint.presets import OVERRIDE_FIELDS
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
-from gptoss_serve.config import ConfigError, ServerConfig
+from gptoss_serve.config import ConfigError, EngineConfig, SchedulerConfig, ServerConfig
 from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
 from gptoss_serve.engine.constrained import GrammarConstraint
 from gptoss_serve.engine.cpu_engine import CpuEngine
+from gptoss_serve.engine.startup import build_async_engine
+from gptoss_serve.engine.synthetic_weights import (
+    SYNTHETIC_MODELS,
+    synthetic_model_config,
+    synthetic_weights,
+)
+from gptoss_serve.engine.weights import ModelWeights, load_weights
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import Message, MessageDone, MessageStarted, RenderRequest
 from gptoss_serve.harmony.parse import HarmonyStreamParser
@@ -61,7 +76,8 @@ def data_dir() -> Path:
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="float32 (CPU engine default), bfloat16 (GPU)")  # fmt: skip
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
 
 
@@ -73,7 +89,8 @@ def _load(args: argparse.Namespace):
     except FileNotFoundError as error:
         raise UsageError(str(error)) from error
     started = time.perf_counter()
-    model = load_model(model_dir, dtype=SUPPORTED_DTYPES[args.dtype], device=device)
+    dtype = SUPPORTED_DTYPES[args.dtype or "float32"]
+    model = load_model(model_dir, dtype=dtype, device=device)
     logger.info("model ready in %.1fs", time.perf_counter() - started)
     return model
 
@@ -126,12 +143,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output cap for requests without max_output_tokens")  # fmt: skip
     serve.add_argument("--max-concurrent", type=_positive_int, default=8,
                        help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
+    serve.add_argument("--engine", choices=("auto", "gpu", "cpu"), default="auto",
+                       help="gpu: the batched paged-KV engine (default when CUDA is present); "
+                       "cpu: the plain-torch one")  # fmt: skip
+    _add_engine_args(serve)
     defaults = ServerConfig()
     for effort in ("low", "medium", "high"):
         serve.add_argument(f"--reasoning-budget-{effort}", type=_non_negative_int,
                            default=defaults.reasoning_budget(effort),
                            help=f"most analysis tokens at reasoning effort {effort} (a request's "
                            "reasoning_budget overrides it)")  # fmt: skip
+
+    bench = commands.add_parser("bench", help="benchmark the GPU engine offline (no HTTP)")
+    bench.add_argument("--model", default="synthetic-120b",
+                       help="synthetic-120b, synthetic-20b or a checkpoint directory")  # fmt: skip
+    _add_engine_args(bench)
+    bench.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
+    bench.add_argument("--decode-tokens", type=_positive_int, default=256,
+                       help="tokens decoded per sequence in the decode figures")  # fmt: skip
+    bench.add_argument("--throughput-seqs", type=_positive_int, default=256,
+                       help="sequences of the max-throughput figure (1k in / 1k out)")  # fmt: skip
+    bench.add_argument("--skip-fit-check", action="store_true",
+                       help="skip the 128k-context-in-80-GB check (a second process)")  # fmt: skip
+    bench.add_argument("--fit-check-only", action="store_true", help=argparse.SUPPRESS)
 
     make = commands.add_parser("make-checkpoint", help="write a random-weight checkpoint")
     make.add_argument("out", type=Path)
@@ -142,6 +176,83 @@ def build_parser() -> argparse.ArgumentParser:
                  "kv-heads", "head-dim", "vocab", "sliding-window"):  # fmt: skip
         make.add_argument(f"--{flag}", type=_positive_int, default=None)
     return parser
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The GPU engine's sizing flags (serve and bench)."""
+    defaults = SchedulerConfig()
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of the GPU this process may hold (default 0.9)",
+    )
+    parser.add_argument(
+        "--max-gpu-memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="GB of GPU memory this process may hold (weights, KV cache, graphs)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=_positive_int,
+        default=defaults.max_num_seqs,
+        help="requests running at once (the largest decode batch)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens in one step",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="prompt + output tokens of one request (default: the model's)",
+    )
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+
+
+def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) -> EngineConfig:
+    try:
+        scheduler = SchedulerConfig(
+            max_num_seqs=max_num_seqs or args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len or SchedulerConfig().max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+        return EngineConfig(
+            scheduler=scheduler,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_gpu_memory_gb=args.max_gpu_memory,
+            use_cuda_graphs=not args.no_cuda_graphs,
+            reference_ops=getattr(args, "dtype", None) == "float32",
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def _load_weights(model: str, *, dtype: torch.dtype) -> tuple[ModelWeights, str]:
+    """The GPU engine's weights: random ones of a real shape, or a checkpoint directory."""
+    if not torch.cuda.is_available():
+        raise UsageError("the GPU engine needs CUDA (use --engine cpu)")
+    started = time.perf_counter()
+    if model in SYNTHETIC_MODELS:
+        weights = synthetic_weights(synthetic_model_config(model), device="cuda", dtype=dtype)
+        name = model
+    else:
+        try:
+            model_dir = resolve_model_dir(model, cache_dir())
+        except FileNotFoundError as error:
+            raise UsageError(str(error)) from error
+        weights = load_weights(model_dir, device="cuda", dtype=dtype, progress=True)
+        name = "demo" if model == "demo" else Path(model).resolve().name
+    logger.warning("weights of %s ready in %.1fs (%.2f GB)", name,
+                   time.perf_counter() - started, weights.num_bytes() / 1e9)  # fmt: skip
+    return weights, name
 
 
 def parse_token_ids(spec: str) -> list[int]:
@@ -262,17 +373,44 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_budget_medium=args.reasoning_budget_medium,
         reasoning_budget_high=args.reasoning_budget_high,
     )  # fmt: skip
-    model = _load(args)
-    name = "demo" if args.model == "demo" else Path(args.model).resolve().name
-    engine = CpuEngine(model, name, max_active=args.max_concurrent)
+    use_gpu = args.engine == "gpu" or (args.engine == "auto" and torch.cuda.is_available())
+    if use_gpu:
+        dtype = SUPPORTED_DTYPES[args.dtype or "bfloat16"]
+        weights, name = _load_weights(args.model, dtype=dtype)
+        engine = build_async_engine(weights, name, engine_config(args))
+    else:
+        if args.model in SYNTHETIC_MODELS:
+            raise UsageError(f"{args.model} needs the GPU engine")
+        model = _load(args)
+        name = "demo" if args.model == "demo" else Path(args.model).resolve().name
+        engine = CpuEngine(model, name, max_active=args.max_concurrent)
     app = create_app(engine, ResponseStore(config.store_path), config)
     logger.warning("serving %s on http://%s:%d (store: %s)", name, args.host, args.port, store_path)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower())
     return 0
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    if args.fit_check_only:  # the capped second process: cap first, then make the weights
+        cap_process_memory()
+        weights, _ = _load_weights(args.model, dtype=torch.bfloat16)
+        return run_fit_check(weights, engine_config(args))
+    weights, name = _load_weights(args.model, dtype=torch.bfloat16)
+    config = engine_config(args, max_num_seqs=max(args.max_num_seqs, args.throughput_seqs))
+    commit = os.environ.get("BENCH_COMMIT") or git_commit()
+    fit = None
+    results = run_engine_bench(weights, name, config, decode_tokens=args.decode_tokens,
+                               throughput_seqs=args.throughput_seqs, commit=commit)  # fmt: skip
+    if not args.skip_fit_check:
+        del weights
+        fit = fit_check_subprocess(args.model)
+    write_results(results, fit, args.out)
+    return 0
+
+
 COMMANDS = {
     "serve": run_serve,
+    "bench": run_bench,
     "generate": run_generate,
     "logits": run_logits,
     "make-checkpoint": run_make_checkpoint,

@@ -344,3 +344,36 @@ class SchedulerConfig:
         if self.max_chunk_tokens is None:
             return self.max_num_batched_tokens
         return min(self.max_chunk_tokens, self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The GPU engine (engine/startup.py): its step bounds and how much memory it may take."""
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    # The process may hold this fraction of the device, or this many GB (the smaller if
+    # both; 0.9 of the device if neither). The KV cache gets what the weights, activations
+    # and CUDA graphs leave under that cap.
+    gpu_memory_utilization: float | None = None
+    max_gpu_memory_gb: float | None = None
+    # An explicit KV cache size in tokens (full-attention layers), instead of measuring the
+    # device: for CPU runs and tests.
+    kv_cache_tokens: int | None = None
+    # Sliding-window blocks beyond what running requests need: they keep freed windows so
+    # that prefix-cache hits on sliding layers survive.
+    num_spare_sliding_blocks: int = 256
+    use_cuda_graphs: bool = True
+    # The plain-torch references instead of the Triton kernels (the float32 verification
+    # mode; slow, no graphs).
+    reference_ops: bool = False
+
+    def __post_init__(self) -> None:
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        if self.max_gpu_memory_gb is not None and self.max_gpu_memory_gb <= 0:
+            raise ValueError(f"max_gpu_memory_gb must be > 0, got {self.max_gpu_memory_gb}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
+        if self.num_spare_sliding_blocks < 0:
+            raise ValueError("num_spare_sliding_blocks must be >= 0")

@@ -1,0 +1,162 @@
+"""`gptoss-serve bench`: the engine offline (no HTTP) on one model, one table, one JSON.
+
+Each scenario starts from a fresh engine core (empty prefix cache) over the same runner and
+KV cache, with random prompts that share no prefix. Times are wall-clock over engine steps,
+which include the host's scheduling and the one sync per step, as a server sees them.
+Ceilings are bandwidth (decode) or tensor-core (prefill) bounds from docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gptoss_serve.config import ModelConfig, SamplingParams
+from gptoss_serve.engine.engine import EngineCore
+
+logger = logging.getLogger(__name__)
+
+COPY_BYTES_PER_S = 4.3e12  # the H200's device-to-device copy rate (bench/kernels.py)
+DENSE_FLOP_PER_S = 790e12  # bf16 tensor cores, measured (docs/performance.md)
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    value: float
+    ceiling: float | None
+    unit: str
+
+    @property
+    def percent(self) -> float | None:
+        if not self.ceiling:
+            return None
+        return 100 * self.value / self.ceiling
+
+
+def decode_ceiling_tok_s(config: ModelConfig, batch: int, context: int) -> float:
+    """Tokens/s if one decode step only read its bytes at the copy rate: every non-expert
+    weight, the distinct experts ``batch`` tokens touch per layer, and each sequence's KV."""
+    h, i, e, k = (config.hidden_size, config.intermediate_size, config.num_local_experts,
+                  config.num_experts_per_tok)  # fmt: skip
+    attention = (h * (config.q_dim + 2 * config.kv_dim) + config.q_dim * h) * 2
+    router = e * h * 2
+    expert = 2 * i * (h // 2 + h // 32 + 2) + h * (i // 2 + i // 32 + 2)
+    distinct = e * (1 - (1 - k / e) ** batch)
+    layers = config.num_hidden_layers
+    weights = layers * (attention + router + distinct * expert) + config.vocab_size * h * 2
+    token_bytes = 2 * config.num_key_value_heads * config.head_dim * 2
+    sliding = sum(config.is_sliding(j) for j in range(layers))
+    kv = token_bytes * (
+        (layers - sliding) * context + sliding * min(context, config.sliding_window)
+    )
+    return batch * COPY_BYTES_PER_S / (weights + batch * kv)
+
+
+def prefill_ceiling_tok_s(config: ModelConfig) -> float:
+    """Tokens/s of the matrix work alone (experts, attention projections, unembedding
+    skipped: only the last token's) at the dense bf16 rate."""
+    h, i, k = config.hidden_size, config.intermediate_size, config.num_experts_per_tok
+    per_layer = 2 * (k * 3 * i * h + h * (config.q_dim + 2 * config.kv_dim) + config.q_dim * h)
+    return DENSE_FLOP_PER_S / (config.num_hidden_layers * per_layer)
+
+
+class Scenario:
+    """Runs requests to completion on a fresh core and records when tokens arrived."""
+
+    def __init__(self, make_core: Callable[[], EngineCore], vocab_size: int, seed: int) -> None:
+        self.core = make_core()
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.first_token_at: dict[str, float] = {}
+        self.num_tokens: dict[str, int] = {}
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        # Random ids below 200000 (the real vocabulary's ordinary tokens): no shared prefix.
+        prompt = [self.rng.randrange(min(self.vocab_size, 200_000)) for _ in range(prompt_len)]
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0,
+                                seed=self.rng.getrandbits(31))  # fmt: skip
+        self.core.add_request(request_id, prompt, params)
+        self.num_tokens[request_id] = 0
+
+    def run(self) -> float:
+        """Steps until every request finished; returns the wall time."""
+        started = time.perf_counter()
+        while self.core.has_unfinished_requests:
+            result = self.core.step()
+            now = time.perf_counter()
+            if result.failed:
+                raise RuntimeError(f"requests failed in the benchmark: {result.failed}")
+            for output in result.outputs:
+                self.first_token_at.setdefault(output.request_id, now)
+                self.num_tokens[output.request_id] += len(output.new_token_ids)
+        elapsed = time.perf_counter() - started
+        self.core.close()
+        return elapsed
+
+
+def decode_tok_s(
+    make_core: Callable[[], EngineCore], config: ModelConfig, *, batch: int, context: int,
+    num_tokens: int,
+) -> float:  # fmt: skip
+    """Aggregate decode rate once every sequence has its first token (prefill excluded)."""
+    scenario = Scenario(make_core, config.vocab_size, seed=batch * 7919 + context)
+    for index in range(batch):
+        scenario.add(f"decode-{index}", context, num_tokens)
+    started = time.perf_counter()
+    # Run the prefills (and the first tokens) first, then time the decode steps alone.
+    core = scenario.core
+    while len(scenario.first_token_at) < batch:
+        for output in core.step().outputs:
+            scenario.first_token_at.setdefault(output.request_id, time.perf_counter())
+            scenario.num_tokens[output.request_id] += 1
+    decode_start = time.perf_counter()
+    already = sum(scenario.num_tokens.values())
+    scenario.run()
+    elapsed = time.perf_counter() - decode_start
+    logger.info("batch %d ctx %d: prefill %.2fs", batch, context, decode_start - started)
+    return (sum(scenario.num_tokens.values()) - already) / elapsed
+
+
+def prefill_tok_s(make_core: Callable[[], EngineCore], config: ModelConfig, length: int) -> float:
+    """Prompt tokens per second of one request's prefill, to its first token (median of 3)."""
+    rates = []
+    for trial in range(3):
+        scenario = Scenario(make_core, config.vocab_size, seed=length + trial)
+        scenario.add("prefill", length, 1)
+        rates.append(length / scenario.run())
+    return sorted(rates)[1]
+
+
+def ttft_ms(make_core: Callable[[], EngineCore], config: ModelConfig, length: int) -> float:
+    return 1e3 * length / prefill_tok_s(make_core, config, length)
+
+
+def max_throughput_tok_s(
+    make_core: Callable[[], EngineCore], config: ModelConfig, *, num_seqs: int, length: int
+) -> float:
+    """``num_seqs`` requests of ``length`` prompt and ``length`` output tokens all submitted
+    at once: output tokens over the whole run's wall time (prefills included)."""
+    scenario = Scenario(make_core, config.vocab_size, seed=4242)
+    for index in range(num_seqs):
+        scenario.add(f"throughput-{index}", length, length)
+    elapsed = scenario.run()
+    return sum(scenario.num_tokens.values()) / elapsed
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    return torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else 0.0
+
+
+def format_table(figures: list[Figure]) -> str:
+    lines = [f"{'figure':<28} {'value':>12} {'ceiling':>12} {'%':>6}  unit"]
+    for figure in figures:
+        ceiling = f"{figure.ceiling:12.1f}" if figure.ceiling else f"{'-':>12}"
+        percent = f"{figure.percent:6.1f}" if figure.percent is not None else f"{'-':>6}"
+        lines.append(f"{figure.name:<28} {figure.value:12.1f} {ceiling} {percent}  {figure.unit}")
+    return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""The `gptoss-serve bench` run: build the engine once, run every scenario of engine_bench.py,
+print the table and write bench/results/engine.json; the 128k-in-80-GB check runs in a
+second process, whose allocator is capped before any weight is made.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from gptoss_serve.benchmarks import engine_bench as eb
+from gptoss_serve.config import EngineConfig, SamplingParams
+from gptoss_serve.engine.startup import build_engine
+from gptoss_serve.engine.weights import ModelWeights
+
+logger = logging.getLogger(__name__)
+
+FIT_CAP_GB = 80.0
+FIT_CONTEXT = 128 * 1024  # tokens of context the capped process must serve
+FIT_OUTPUT_TOKENS = 16
+
+
+def git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def run_engine_bench(
+    weights: ModelWeights, name: str, config: EngineConfig, *, decode_tokens: int,
+    throughput_seqs: int, commit: str | None,
+) -> dict:  # fmt: skip
+    model = weights.config
+    started = time.perf_counter()
+    make_core, _, plan = build_engine(weights, config)
+    logger.warning("engine ready in %.1fs: %d KV tokens", time.perf_counter() - started,
+                   plan.max_num_tokens)  # fmt: skip
+    figures = []
+
+    def decode(figure: str, batch: int, context: int) -> None:
+        value = eb.decode_tok_s(make_core, model, batch=batch, context=context,
+                                num_tokens=decode_tokens)  # fmt: skip
+        ceiling = eb.decode_ceiling_tok_s(model, batch, context + decode_tokens // 2)
+        figures.append(eb.Figure(figure, value, ceiling, "tok/s"))
+        logger.warning("%s: %.1f tok/s", figure, value)
+
+    decode("decode_bs1_ctx1k_tok_s", 1, 1024)
+    decode("decode_bs1_ctx8k_tok_s", 1, 8192)
+    for batch in (8, 32, 64):
+        decode(f"decode_conc{batch}_tok_s", batch, 1024)
+    prefill_ceiling = eb.prefill_ceiling_tok_s(model)
+    for length in (2048, 8192):
+        value = eb.prefill_tok_s(make_core, model, length)
+        figures.append(eb.Figure(f"prefill_{length}_tok_s", value, prefill_ceiling, "tok/s"))
+    ttft = eb.ttft_ms(make_core, model, 1024)
+    figures.append(eb.Figure("ttft_1k_ms", ttft, None, "ms"))
+    seqs = min(throughput_seqs, plan.max_num_tokens // 2048)
+    value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=1024)
+    ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536)
+    figures.append(eb.Figure("max_throughput_tok_s", value, ceiling, f"tok/s ({seqs} seqs)"))
+    figures.append(eb.Figure("peak_gpu_memory_gb", eb.peak_memory_gb(weights.device), None, "GB"))
+    device = torch.cuda.get_device_name(weights.device) if weights.device.type == "cuda" else "cpu"
+    return {
+        "device": device, "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": name, "kv_cache_tokens": plan.max_num_tokens,
+        "settings": {"max_num_seqs": config.scheduler.max_num_seqs,
+                     "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+                     "decode_tokens": decode_tokens, "cuda_graphs": config.use_cuda_graphs},
+        "figures": figures,
+    }  # fmt: skip
+
+
+def run_fit_check(weights: ModelWeights, config: EngineConfig) -> int:
+    """In the capped process (``cap_process_memory`` already called): serve one request of
+    FIT_CONTEXT tokens of context; prints one JSON line for the parent."""
+    scheduler = replace(config.scheduler, max_num_seqs=4, max_model_len=FIT_CONTEXT)
+    config = replace(config, scheduler=scheduler, max_gpu_memory_gb=FIT_CAP_GB)
+    make_core, _, plan = build_engine(weights, config)
+    core = make_core()
+    prompt_len = FIT_CONTEXT - FIT_OUTPUT_TOKENS
+    prompt = [(i * 7919) % 200_000 for i in range(prompt_len)]
+    core.add_request("fit", prompt, SamplingParams(max_tokens=FIT_OUTPUT_TOKENS, seed=0))
+    started, num_tokens = time.perf_counter(), 0
+    while core.has_unfinished_requests:
+        result = core.step()
+        if result.failed:
+            raise RuntimeError(f"the fit check failed: {result.failed}")
+        num_tokens += sum(len(o.new_token_ids) for o in result.outputs)
+    elapsed = time.perf_counter() - started
+    peak = torch.cuda.max_memory_reserved(weights.device) / 1e9
+    served = num_tokens == FIT_OUTPUT_TOKENS and peak <= FIT_CAP_GB
+    print(json.dumps({"fits_80gb_with_128k_context": served, "context_tokens": FIT_CONTEXT,  # noqa: T201
+                      "peak_reserved_gb": round(peak, 2), "kv_cache_tokens": plan.max_num_tokens,
+                      "seconds": round(elapsed, 1), "output_tokens": num_tokens}))  # fmt: skip
+    return 0
+
+
+def cap_process_memory(device: int = 0) -> None:
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, FIT_CAP_GB * 1e9 / total), device)
+
+
+def fit_check_subprocess(model: str) -> dict:
+    command = [sys.executable, "-m", "gptoss_serve.cli", "bench", "--model", model,
+               "--fit-check-only"]  # fmt: skip
+    logger.warning("fit check: %s", " ".join(command))
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        logger.error("fit check failed (exit %d): %s", done.returncode, done.stderr[-2000:])
+        return {"fits_80gb_with_128k_context": False, "error": done.stderr[-500:]}
+    return json.loads(lines[-1])
+
+
+def write_results(results: dict, fit: dict | None, out: Path) -> None:
+    figures = results.pop("figures")
+    table = eb.format_table(figures)
+    results.update({figure.name: round(figure.value, 2) for figure in figures})
+    results["ceilings"] = {f.name: round(f.ceiling, 1) for f in figures if f.ceiling}
+    if fit is not None:
+        results["fits_80gb_with_128k_context"] = fit.get("fits_80gb_with_128k_context", False)
+        results["fit_check"] = fit
+        table += f"\nfits_80gb_with_128k_context: {results['fits_80gb_with_128k_context']} {fit}"
+    print(table)  # noqa: T201 (the command's output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")

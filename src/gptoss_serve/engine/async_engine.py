@@ -1,0 +1,142 @@
+"""The asynchronous engine the server talks to (an ``EngineClient``): the engine core runs on
+one worker thread, step after step while any request is unfinished; the event loop only
+queues requests and receives tokens (``call_soon_threadsafe``).
+
+A request that can never run, or whose grammar fails, ends with EngineError; a step that
+raises fails every request in flight and the engine goes on with new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from gptoss_serve.config import SamplingParams
+from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.engine import EngineCore
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()  # end-of-stream marker on a request's queue
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    is_done: bool = False
+
+    def post(self, item: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """``make_core`` builds a fresh EngineCore (used at start and after a failed step)."""
+
+    def __init__(self, make_core: Callable[[], EngineCore], info: EngineInfo) -> None:
+        self.info = info
+        self._make_core = make_core
+        self._core = make_core()
+        self._condition = threading.Condition()
+        self._pending: deque[_Stream] = deque()
+        self._aborted: set[str] = set()
+        self._streams: dict[str, _Stream] = {}  # admitted to the core, worker-thread only
+        self._is_stopped = False
+        self._thread = threading.Thread(target=self._run, name="gpu-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[int]:
+        stream = _Stream(
+            request_id, list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue()
+        )
+        with self._condition:
+            if self._is_stopped:
+                raise EngineError("the engine is shut down")
+            self._pending.append(stream)
+            self._condition.notify()
+        try:
+            while (item := await stream.queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not stream.is_done:  # the consumer went away (client disconnect): abort
+                with self._condition:
+                    self._aborted.add(request_id)
+                    self._condition.notify()
+                logger.info("request %s aborted", request_id)
+
+    async def close(self) -> None:
+        with self._condition:
+            self._is_stopped = True
+            self._condition.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    # -- the worker thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not (self._pending or self._aborted or self._streams or self._is_stopped):
+                    self._condition.wait()
+                if self._is_stopped:
+                    break
+                pending, self._pending = list(self._pending), deque()
+                aborted, self._aborted = self._aborted, set()
+            for stream in pending:
+                self._admit(stream)
+            for request_id in aborted:
+                if self._streams.pop(request_id, None) is not None:
+                    self._core.abort_request(request_id)
+            if self._streams:
+                self._step()
+        for stream in [*self._streams.values(), *self._pending]:
+            self._finish(stream, EngineError("the engine shut down"))
+        self._core.close()
+
+    def _admit(self, stream: _Stream) -> None:
+        try:
+            self._core.add_request(stream.request_id, stream.prompt_ids, stream.params)
+        except ValueError as error:  # SchedulerError, GrammarError: this request only
+            self._finish(stream, EngineError(str(error)))
+            return
+        self._streams[stream.request_id] = stream
+
+    def _step(self) -> None:
+        try:
+            result = self._core.step()
+        except Exception as error:  # a failed step fails every request in it, not the server
+            logger.exception("engine step failed; failing %d requests", len(self._streams))
+            for stream in list(self._streams.values()):
+                self._finish(stream, EngineError(f"generation failed: {error}"))
+            self._streams.clear()
+            self._core.close()
+            self._core = self._make_core()
+            return
+        for output in result.outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            for token in output.new_token_ids:
+                stream.post(token)
+            if output.finish_reason is not None:
+                self._finish(self._streams.pop(output.request_id), _DONE)
+        for request_id, reason in result.failed.items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self._finish(stream, EngineError(reason))
+
+    def _finish(self, stream: _Stream, item: object) -> None:
+        stream.is_done = True
+        stream.post(item)

@@ -1,0 +1,175 @@
+"""One step's model inputs in persistent buffers: token ids, positions, K/V slots and block
+tables, filled on the host (pinned numpy views) and copied to the device in a few transfers.
+
+The device buffers never move, so a CUDA graph captured over their leading rows reads each
+step's values; padded decode rows get length 0 and slot -1 (the kernels skip them).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gptoss_serve.engine.attention_metadata import AttentionMetadata
+from gptoss_serve.engine.block_pool import BLOCK_SIZE
+from gptoss_serve.engine.kv_manager import cdiv
+from gptoss_serve.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64 on the device
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: the rows whose next token is sampled
+    sampled_request_ids: tuple[str, ...]  # the request of each logits row
+    num_scheduled_tokens: int  # T before padding
+
+
+class _Buffer:
+    """A pinned host array and its device twin, both of the largest shape a step needs."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.host.numpy()
+        self.device = torch.zeros(shape, dtype=dtype, device=device)
+
+    def upload(self, rows: int, cols: int | None = None) -> torch.Tensor:
+        """Copy the leading ``rows`` (x ``cols``) to the device; returns the device view."""
+        index = (slice(0, rows),) if cols is None else (slice(0, rows), slice(0, cols))
+        view = self.device[index]
+        view.copy_(self.host[index], non_blocking=True)
+        return view
+
+
+class InputBatch:
+    """Builds ``StepInputs`` for SchedulerOutputs into buffers sized for the largest step."""
+
+    def __init__(
+        self,
+        *,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        num_groups: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.table_width = cdiv(max_model_len, BLOCK_SIZE)
+        rows = max(max_num_tokens, max_num_seqs)
+        self.input_ids = _Buffer((rows,), torch.int64, device)
+        self.positions = _Buffer((rows,), torch.int64, device)
+        self.slots = [_Buffer((rows,), torch.int64, device) for _ in range(num_groups)]
+        self.logits_indices = _Buffer((max_num_seqs,), torch.int64, device)
+        seqs = max_num_seqs
+        self.decode_tables = [
+            _Buffer((seqs, self.table_width), torch.int32, device) for _ in range(num_groups)
+        ]
+        self.decode_seq_lens = _Buffer((seqs,), torch.int32, device)
+        self.prefill_tables = [
+            _Buffer((seqs, self.table_width), torch.int32, device) for _ in range(num_groups)
+        ]
+        self.prefill_seq_lens = _Buffer((seqs,), torch.int32, device)
+        self.query_start_loc = _Buffer((seqs + 1,), torch.int32, device)
+
+    def prepare(self, output: SchedulerOutput, *, decode_rows: int | None = None) -> StepInputs:
+        """``decode_rows``: pad an all-decode step to this many rows (a captured graph's size);
+        the graph then reads the tables at full width and bounds the lengths by
+        ``max_model_len``."""
+        scheduled = output.scheduled
+        num_decodes = output.num_decodes
+        num_tokens = output.num_tokens
+        if num_tokens > self.input_ids.np.shape[0] or len(scheduled) > self.max_num_seqs:
+            raise ValueError(f"step of {num_tokens} tokens / {len(scheduled)} requests too large")
+        padded = decode_rows is not None
+        if padded and (num_decodes != len(scheduled) or decode_rows < num_decodes):
+            raise ValueError("only an all-decode step can be padded")
+        total_rows = decode_rows if padded else num_tokens
+        self._fill_rows(output, total_rows)
+        metadata = self._metadata(output, total_rows, padded)
+        sampled = [i for i, s in enumerate(scheduled) if s.is_sampled]
+        row_ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
+        self.logits_indices.np[: len(sampled)] = row_ends[sampled] if sampled else []
+        return StepInputs(
+            input_ids=self.input_ids.upload(total_rows),
+            metadata=metadata,
+            logits_indices=self.logits_indices.upload(len(sampled)),
+            sampled_request_ids=tuple(scheduled[i].request_id for i in sampled),
+            num_scheduled_tokens=num_tokens,
+        )
+
+    def _fill_rows(self, output: SchedulerOutput, total_rows: int) -> None:
+        row = 0
+        for entry in output.scheduled:
+            end = row + entry.num_new_tokens
+            self.input_ids.np[row:end] = entry.token_ids
+            self.positions.np[row:end] = np.arange(entry.num_computed_tokens, entry.seq_len)
+            for group, slots in enumerate(self.slots):
+                slots.np[row:end] = _slot_ids(
+                    entry.block_ids[group], entry.num_computed_tokens, entry.seq_len
+                )
+            row = end
+        # Padding rows of a graph-sized decode batch: token 0 at position 0, writing nothing.
+        self.input_ids.np[row:total_rows] = 0
+        self.positions.np[row:total_rows] = 0
+        for slots in self.slots:
+            slots.np[row:total_rows] = -1
+
+    def _metadata(
+        self, output: SchedulerOutput, total_rows: int, padded: bool
+    ) -> AttentionMetadata:
+        num_decodes = output.num_decodes
+        decodes = output.scheduled[:num_decodes]
+        prefills = output.scheduled[num_decodes:]
+        decode_rows = total_rows if padded else num_decodes
+        self.decode_seq_lens.np[:num_decodes] = [s.seq_len for s in decodes]
+        self.decode_seq_lens.np[num_decodes:decode_rows] = 0
+        decode_width = self.table_width if padded else _width(decodes)
+        prefill_width = _width(prefills)
+        for group in range(len(self.slots)):
+            _fill_tables(self.decode_tables[group].np, decodes, group)
+            _fill_tables(self.prefill_tables[group].np, prefills, group)
+        self.prefill_seq_lens.np[: len(prefills)] = [s.seq_len for s in prefills]
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : len(prefills) + 1] = np.cumsum(
+            [s.num_new_tokens for s in prefills], dtype=np.int64
+        )
+        max_seq_len = self.max_model_len if padded else max((s.seq_len for s in decodes), default=0)
+        return AttentionMetadata(
+            num_decodes=decode_rows,
+            positions=self.positions.upload(total_rows),
+            slot_mapping=tuple(slots.upload(total_rows) for slots in self.slots),
+            decode_block_tables=tuple(
+                t.upload(decode_rows, decode_width) for t in self.decode_tables
+            ),
+            decode_seq_lens=self.decode_seq_lens.upload(decode_rows),
+            decode_max_seq_len=max_seq_len,
+            prefill_block_tables=tuple(
+                t.upload(len(prefills), prefill_width) for t in self.prefill_tables
+            ),
+            prefill_seq_lens=self.prefill_seq_lens.upload(len(prefills)),
+            prefill_query_start_loc=self.query_start_loc.upload(len(prefills) + 1),
+        )
+
+
+def _slot_ids(table: tuple[int, ...], start: int, end: int) -> np.ndarray:
+    positions = np.arange(start, end)
+    blocks = np.asarray(table, dtype=np.int64)[positions // BLOCK_SIZE]
+    return blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+
+
+def _width(entries) -> int:
+    return max((cdiv(s.seq_len, BLOCK_SIZE) for s in entries), default=1)
+
+
+def _fill_tables(tables: np.ndarray, entries, group: int) -> None:
+    for row, entry in enumerate(entries):
+        table = entry.block_ids[group]
+        tables[row, : len(table)] = table

@@ -1,0 +1,183 @@
+"""Builds the GPU engine from loaded weights: measure the memory a step needs, size and
+allocate the KV cache under the cap, capture the decode graphs, and wire scheduler, runner and
+engine core together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from gptoss_serve.config import EngineConfig, SchedulerConfig
+from gptoss_serve.engine.async_engine import AsyncEngine
+from gptoss_serve.engine.block_pool import BLOCK_SIZE
+from gptoss_serve.engine.client import EngineInfo
+from gptoss_serve.engine.engine import EngineCore
+from gptoss_serve.engine.forward import forward
+from gptoss_serve.engine.input_batch import InputBatch
+from gptoss_serve.engine.kv_cache import allocate_kv_cache
+from gptoss_serve.engine.kv_manager import KvCacheManager, cdiv, sliding_pool_bound
+from gptoss_serve.engine.kv_sizing import (
+    GIB,
+    KvCachePlan,
+    KvCacheSpec,
+    kv_cache_bytes,
+    plan_kv_cache,
+)
+from gptoss_serve.engine.model_runner import ModelRunner
+from gptoss_serve.engine.ops import KERNEL_OPS, REFERENCE_OPS, Ops
+from gptoss_serve.engine.scheduler import Scheduler
+from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from gptoss_serve.engine.weights import ModelWeights
+
+logger = logging.getLogger(__name__)
+
+# Kept free beyond the measured peak of one step: CUDA graphs' pool, the sampler's buffers,
+# allocator fragmentation.
+RESERVE_BYTES = GIB
+
+
+def build_engine(
+    weights: ModelWeights, config: EngineConfig
+) -> tuple[Callable[[], EngineCore], ModelRunner, KvCachePlan]:
+    """Returns a factory of engine cores (a fresh scheduler over the same runner and cache:
+    what a failed step restarts with), the runner, and the KV cache plan."""
+    model = weights.config
+    scheduler_config = replace(
+        config.scheduler,
+        max_model_len=min(config.scheduler.max_model_len, model.max_position_embeddings),
+    )
+    ops = REFERENCE_OPS if config.reference_ops else KERNEL_OPS
+    spec = KvCacheSpec.from_model_config(model, dtype_bytes=weights.dtype.itemsize)
+    plan = _plan(weights, config, scheduler_config, spec, ops)
+    kv = allocate_kv_cache(
+        model,
+        num_full_blocks=plan.num_full_blocks,
+        num_sliding_blocks=plan.num_sliding_blocks,
+        device=weights.device,
+        dtype=weights.dtype,
+    )
+    runner = ModelRunner(
+        weights, kv, scheduler_config, ops=ops, use_cuda_graphs=config.use_cuda_graphs
+    )
+    runner.capture_graphs()
+
+    def make_core() -> EngineCore:
+        manager = KvCacheManager(
+            plan.num_full_blocks,
+            plan.num_sliding_blocks,
+            sliding_window=model.sliding_window if spec.num_sliding_layers else None,
+            enable_prefix_caching=scheduler_config.enable_prefix_caching,
+        )
+        return EngineCore(Scheduler(scheduler_config, manager), runner)
+
+    return make_core, runner, plan
+
+
+def build_async_engine(weights: ModelWeights, model_name: str, config: EngineConfig) -> AsyncEngine:
+    make_core, runner, _ = build_engine(weights, config)
+    info = EngineInfo(
+        model_name=model_name,
+        max_context_tokens=runner.batch.max_model_len,
+        vocab_size=weights.config.vocab_size,
+        created_at=int(time.time()),
+    )
+    return AsyncEngine(make_core, info)
+
+
+def _plan(
+    weights: ModelWeights,
+    config: EngineConfig,
+    scheduler: SchedulerConfig,
+    spec: KvCacheSpec,
+    ops: Ops,
+) -> KvCachePlan:
+    if config.kv_cache_tokens is not None or weights.device.type != "cuda":
+        tokens = config.kv_cache_tokens or scheduler.max_model_len
+        num_sliding = 0
+        if spec.num_sliding_layers:
+            num_sliding = config.num_spare_sliding_blocks + sliding_pool_bound(
+                spec.sliding_window, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+            )
+        return KvCachePlan(cdiv(tokens, BLOCK_SIZE), num_sliding, spec)
+    peak = profile_step_memory(weights, scheduler, ops)
+    free, total = torch.cuda.mem_get_info(weights.device)
+    max_bytes = None if config.max_gpu_memory_gb is None else int(config.max_gpu_memory_gb * 1e9)
+    num_bytes = kv_cache_bytes(
+        total_bytes=total,
+        free_bytes=free,
+        used_bytes=torch.cuda.memory_reserved(weights.device),
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_gpu_memory_bytes=max_bytes,
+        reserve_bytes=peak + RESERVE_BYTES,
+    )
+    return plan_kv_cache(
+        spec,
+        num_bytes,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        num_spare_sliding_blocks=config.num_spare_sliding_blocks,
+    )
+
+
+def profile_step_memory(weights: ModelWeights, scheduler: SchedulerConfig, ops: Ops) -> int:
+    """Peak bytes one step of the full token budget allocates beyond what is held now: one
+    dummy prefill over a scratch cache just large enough, then everything is freed."""
+    device = weights.device
+    num_tokens = scheduler.max_num_batched_tokens
+    num_blocks = cdiv(num_tokens, BLOCK_SIZE)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    scratch = allocate_kv_cache(
+        weights.config,
+        num_full_blocks=num_blocks,
+        num_sliding_blocks=num_blocks,
+        device=device,
+        dtype=weights.dtype,
+    )
+    table = tuple(range(num_blocks))
+    entry = ScheduledRequest(
+        request_id="profile",
+        token_ids=(0,) * num_tokens,
+        num_computed_tokens=0,
+        block_ids=(table, table),
+        new_block_ids=(table, table),
+        is_new=True,
+        is_sampled=True,
+    )
+    output = SchedulerOutput(
+        step=-1,
+        scheduled=(entry,),
+        num_decodes=0,
+        preempted_request_ids=(),
+        finished_request_ids=(),
+    )
+    batch = InputBatch(
+        max_num_tokens=num_tokens,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_model_len=scheduler.max_model_len,
+        num_groups=2,
+        device=device,
+    )
+    inputs = batch.prepare(output)
+    forward(
+        weights,
+        scratch,
+        ops,
+        inputs.input_ids,
+        inputs.metadata,
+        logits_indices=inputs.logits_indices,
+    )
+    torch.cuda.synchronize(device)
+    # The peak of the step itself, plus the logits of a full decode batch.
+    peak = torch.cuda.max_memory_allocated(device) - before - scratch.num_bytes
+    peak += scheduler.max_num_seqs * weights.config.vocab_size * 4 * 2
+    del scratch, batch, inputs
+    torch.cuda.empty_cache()
+    logger.info("one step of %d tokens needs %.2f GiB beyond the weights", num_tokens, peak / GIB)
+    return peak

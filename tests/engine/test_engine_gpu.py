@@ -1,0 +1,130 @@
+"""The GPU engine on CUDA (run on the GPU machine): the Triton kernels and CUDA graphs inside
+the whole engine, against the plain-torch model and against itself.
+
+The checkpoint routes every token to all of its 4 experts (top-4 of 4), so expert choice is
+never ambiguous and bf16 comparisons are meaningful: what differs is rounding only.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptoss_serve.checkpoint.synthetic import make_checkpoint
+from gptoss_serve.config import EngineConfig, SamplingParams, SchedulerConfig
+from gptoss_serve.engine.engine import EngineCore
+from gptoss_serve.engine.startup import build_engine
+from gptoss_serve.engine.weights import load_weights
+from gptoss_serve.model import load_model
+
+pytestmark = pytest.mark.gpu
+
+# bf16 logits of two implementations: relative to the largest logit of the row.
+BF16_RELATIVE = 5e-2  # measured 1-3e-2 (bench/_debug_batch.py)
+FP32_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def unambiguous_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(
+        tmp_path_factory.mktemp("gpu-engine") / "all-experts", "tiny", seed=7, vocab=4096,
+        layers=4, experts=4, experts_per_token=4, hidden=512, intermediate=256, heads=16,
+        kv_heads=4, head_dim=64,
+    )  # fmt: skip
+
+
+@functools.cache
+def _engine(model_dir: Path, dtype: torch.dtype, graphs: bool):
+    weights = load_weights(model_dir, device="cuda", dtype=dtype, progress=False)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048),
+        kv_cache_tokens=16384, reference_ops=dtype == torch.float32, use_cuda_graphs=graphs,
+    )  # fmt: skip
+    return build_engine(weights, config)
+
+
+def _run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int, runner=None):
+    """Greedy tokens per request, and each request's sampled logits rows."""
+    rows: dict[str, list[torch.Tensor]] = {}
+    if runner is not None:
+        original = runner.forward
+
+        def forward(output):
+            logits, inputs = original(output)
+            for row, request_id in enumerate(inputs.sampled_request_ids):
+                rows.setdefault(request_id, []).append(logits[row].float().cpu())
+            return logits, inputs
+
+        runner.forward = forward
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for request_id, prompt in prompts.items():
+        core.add_request(request_id, prompt, greedy)
+    tokens: dict[str, list[int]] = {r: [] for r in prompts}
+    try:
+        while core.has_unfinished_requests:
+            result = core.step()
+            assert not result.failed
+            for output in result.outputs:
+                tokens[output.request_id].extend(output.new_token_ids)
+    finally:
+        if runner is not None:
+            runner.forward = original
+    return tokens, rows
+
+
+def _prompts(vocab: int, count: int, length: int) -> dict[str, list[int]]:
+    generator = torch.Generator().manual_seed(count * 1000 + length)
+    return {
+        f"q{i}": torch.randint(0, vocab, (length + 13 * i,), generator=generator).tolist()
+        for i in range(count)
+    }
+
+
+def _check_bf16(model, prompts, tokens, rows) -> None:
+    """Each request's logits against the plain-torch model fed the same tokens."""
+    for request_id, prompt in prompts.items():
+        ids = torch.tensor(prompt + tokens[request_id][:-1], device="cuda")
+        expected = model(ids, model.new_cache())[len(prompt) - 1 :].float().cpu()
+        actual = torch.stack(rows[request_id])
+        relative = ((actual - expected).abs().amax(-1) / expected.abs().amax(-1)).max().item()
+        assert relative <= BF16_RELATIVE, f"{request_id}: {relative:.3e}"
+
+
+def test_bf16_engine_with_graphs_matches_the_plain_model(unambiguous_dir: Path) -> None:
+    make_core, runner, _ = _engine(unambiguous_dir, torch.bfloat16, True)
+    assert runner.graphs is not None
+    model = load_model(unambiguous_dir, device="cuda", dtype=torch.bfloat16)
+    prompts = _prompts(model.config.vocab_size, 6, 150)  # windows crossed; 150 > budget/6
+    tokens, rows = _run(make_core(), prompts, 24, runner)
+    _check_bf16(model, prompts, tokens, rows)
+
+
+def test_fp32_verification_mode_on_cuda_matches_the_plain_model(unambiguous_dir: Path) -> None:
+    make_core, runner, _ = _engine(unambiguous_dir, torch.float32, False)
+    model = load_model(unambiguous_dir, device="cuda", dtype=torch.float32)
+    prompts = _prompts(model.config.vocab_size, 3, 200)
+    tokens, rows = _run(make_core(), prompts, 8, runner)
+    for request_id, prompt in prompts.items():
+        ids = torch.tensor(prompt + tokens[request_id][:-1], device="cuda")
+        expected = model(ids, model.new_cache())[len(prompt) - 1 :].cpu()
+        difference = (torch.stack(rows[request_id]) - expected).abs().max().item()
+        assert difference <= FP32_TOLERANCE, f"{request_id}: {difference:.2e}"
+
+
+def test_busy_batch_alone_and_prefix_hits_all_match_the_model(unambiguous_dir: Path) -> None:
+    """12 requests in one batch (mixed prefill/decode steps, padded graphs), each alone, and
+    each again on a warm prefix cache: every run matches the plain model fed its tokens (the
+    greedy tokens themselves may part where two logits lie within bf16 rounding)."""
+    make_core, runner, _ = _engine(unambiguous_dir, torch.bfloat16, True)
+    model = load_model(unambiguous_dir, device="cuda", dtype=torch.bfloat16)
+    prompts = _prompts(model.config.vocab_size, 12, 90)
+    _check_bf16(model, prompts, *_run(make_core(), prompts, 16, runner))
+    core = make_core()
+    for request_id, prompt in prompts.items():
+        one = {request_id: prompt}
+        _check_bf16(model, one, *_run(core, one, 16, runner))
+        _check_bf16(model, one, *_run(core, one, 16, runner))  # a prefix-cache hit
+    assert core.scheduler.stats().num_prefix_hit_tokens >= 12 * 80

@@ -1,0 +1,187 @@
+"""The GPU engine's path (scheduler, paged KV cache, input batch, batched forward, sampling)
+on the CPU with the torch reference ops in float32: the verification mode.
+
+Against transformers at 1e-3 (as the plain-torch model is), and against itself: a request in
+a busy batch, after a prefix-cache hit or a preemption gets what it gets alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GptOssForCausalLM, Mxfp4Config
+
+from gptoss_serve.config import EngineConfig, SamplingParams, SchedulerConfig
+from gptoss_serve.engine.async_engine import AsyncEngine
+from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.engine import EngineCore
+from gptoss_serve.engine.startup import build_engine
+from gptoss_serve.engine.weights import load_weights
+
+TOLERANCE = 1e-3  # against transformers (an independent implementation)
+SELF_TOLERANCE = 1e-4  # the same ops, other batch compositions
+
+
+@functools.cache
+def _weights(model_dir: Path):
+    return load_weights(model_dir, device="cpu", dtype=torch.float32, progress=False)
+
+
+@functools.cache
+def _transformers(model_dir: Path):
+    model = GptOssForCausalLM.from_pretrained(
+        model_dir, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32,
+        attn_implementation="eager", local_files_only=True,
+    )  # fmt: skip
+    return model.eval()
+
+
+def _make_core(model_dir: Path, *, budget: int = 64, kv_tokens: int = 4096, max_num_seqs: int = 4):
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                  max_model_len=1024),
+        kv_cache_tokens=kv_tokens, reference_ops=True, use_cuda_graphs=False,
+    )  # fmt: skip
+    make_core, runner, _ = build_engine(_weights(model_dir), config)
+    return make_core, runner
+
+
+class Recorder:
+    """Wraps the runner's forward: keeps each request's sampled logits rows, in order."""
+
+    def __init__(self, runner) -> None:
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        original = runner.forward
+
+        def forward(output):
+            logits, inputs = original(output)
+            for row, request_id in enumerate(inputs.sampled_request_ids):
+                self.rows.setdefault(request_id, []).append(logits[row].clone())
+            return logits, inputs
+
+        runner.forward = forward
+
+
+def _run(core: EngineCore, requests: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for request_id, prompt in requests.items():
+        core.add_request(request_id, prompt, greedy)
+    tokens: dict[str, list[int]] = {r: [] for r in requests}
+    while core.has_unfinished_requests:
+        result = core.step()
+        assert not result.failed
+        for output in result.outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+    return tokens
+
+
+def _prompt(vocab: int, length: int, seed: int) -> list[int]:
+    return torch.randint(
+        0, vocab, (length,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+@pytest.mark.parametrize("shape", ["tiny8", "sharded16", "wide12"])
+def test_engine_matches_transformers(checkpoint_dirs: dict[str, Path], shape: str) -> None:
+    model_dir = checkpoint_dirs[shape]
+    make_core, runner = _make_core(model_dir)
+    recorder = Recorder(runner)
+    vocab = _weights(model_dir).config.vocab_size
+    # 300 tokens in chunks of 64: chunked prefill over the paged cache, windows crossed twice.
+    prompt = _prompt(vocab, 300, seed=5)
+    generated = _run(make_core(), {"r": prompt}, max_tokens=12)["r"]
+    assert len(generated) == 12
+    ids = torch.tensor(prompt + generated[:-1])
+    with torch.no_grad():
+        expected = _transformers(model_dir)(ids[None]).logits[0, len(prompt) - 1 :]
+    actual = torch.stack(recorder.rows["r"])
+    difference = (actual - expected).abs().max().item()
+    assert difference <= TOLERANCE, f"max |Δlogit| = {difference:.2e}"
+    assert generated == expected.argmax(-1).tolist()
+
+
+def test_batch_prefix_cache_and_alone_agree(checkpoint_dirs: dict[str, Path]) -> None:
+    model_dir = checkpoint_dirs["tiny8"]
+    vocab = _weights(model_dir).config.vocab_size
+    base = _prompt(vocab, 300, seed=11)
+    prompts = {
+        "a": base,
+        "b": base[:200] + _prompt(vocab, 50, seed=12),  # shares 12 full blocks with a
+        "c": _prompt(vocab, 100, seed=13),
+    }
+    make_core, runner = _make_core(model_dir)
+    recorder = Recorder(runner)
+    core = make_core()
+    together = _run(core, prompts, max_tokens=10)
+    # The same prompt again on the same core: a prefix-cache hit.
+    again = {"a2": base}
+    core.add_request("a2", base, SamplingParams(max_tokens=10, temperature=0.0))
+    cached, tokens = 0, []
+    while core.has_unfinished_requests:
+        for output in core.step().outputs:
+            cached = max(cached, output.num_cached_tokens)
+            tokens.extend(output.new_token_ids)
+    assert cached >= 256 and tokens == together["a"], (cached, tokens)
+    batched_rows = {key: list(rows) for key, rows in recorder.rows.items()}
+    for request_id, prompt in {**prompts, **again}.items():
+        alone_recorder = Recorder(runner)
+        alone = _run(make_core(), {request_id: prompt}, max_tokens=10)[request_id]
+        expected_tokens = together[request_id[0]]
+        assert alone == expected_tokens, request_id
+        difference = max(
+            (x - y).abs().max().item()
+            for x, y in zip(batched_rows[request_id], alone_recorder.rows[request_id], strict=True)
+        )
+        assert difference <= SELF_TOLERANCE, f"{request_id}: {difference:.2e}"
+
+
+def test_preemption_recomputes_to_the_same_tokens(checkpoint_dirs: dict[str, Path]) -> None:
+    model_dir = checkpoint_dirs["tiny8"]
+    vocab = _weights(model_dir).config.vocab_size
+    prompts = {f"p{i}": _prompt(vocab, 90, seed=20 + i) for i in range(3)}
+    # 20 blocks (320 tokens) for three requests that grow to 90 + 40 tokens each.
+    make_core, _ = _make_core(model_dir, kv_tokens=320)
+    core = make_core()
+    squeezed = _run(core, prompts, max_tokens=40)
+    assert core.scheduler.stats().num_preemptions > 0
+    roomy_core, _ = _make_core(model_dir)
+    for request_id, prompt in prompts.items():
+        assert (
+            _run(roomy_core(), {request_id: prompt}, max_tokens=40)[request_id]
+            == squeezed[request_id]
+        )
+
+
+def test_async_engine_streams_aborts_and_refuses(checkpoint_dirs: dict[str, Path]) -> None:
+    model_dir = checkpoint_dirs["tiny8"]
+    make_core, _ = _make_core(model_dir)
+    vocab = _weights(model_dir).config.vocab_size
+    info = EngineInfo(model_name="t", max_context_tokens=1024, vocab_size=vocab, created_at=0)
+    prompts = {f"s{i}": _prompt(vocab, 40 + 10 * i, seed=30 + i) for i in range(3)}
+    expected = {r: _run(make_core(), {r: p}, max_tokens=6)[r] for r, p in prompts.items()}
+
+    async def main() -> None:
+        engine = AsyncEngine(make_core, info)
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+        async def collect(request_id: str) -> list[int]:
+            return [t async for t in engine.generate(request_id, prompts[request_id], greedy)]
+
+        results = await asyncio.gather(*(collect(r) for r in prompts))
+        assert dict(zip(prompts, results, strict=True)) == expected
+        # A consumer that stops early aborts its request; the engine goes on.
+        stream = engine.generate("gone", prompts["s0"], SamplingParams(max_tokens=500))
+        await anext(stream)
+        await stream.aclose()
+        assert await collect("s1") == expected["s1"]
+        # A request that can never fit fails alone, with a clear error.
+        with pytest.raises(EngineError, match="context limit"):
+            await anext(engine.generate("huge", [1] * 2000, greedy))
+        await engine.close()
+        assert not engine._core.has_unfinished_requests
+
+    asyncio.run(main())
