@@ -44,8 +44,8 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
     q = torch.randn(batch, a, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, kv, d, device="cuda", dtype=torch.bfloat16)
     attn_out = torch.randn(batch, config.q_dim, device="cuda", dtype=torch.bfloat16)
-    attns = [attn for attn, _ in step.layers]
-    moes = [moe for _, moe in step.layers]
+    attns = [layer.attention for layer in step.weights.layers]
+    moes = [layer.moe for layer in step.weights.layers]
 
     def dense(fn: Callable, name: str) -> tuple[Callable[[], object], int]:
         inputs = {"qkv": x, "o": attn_out}
@@ -74,7 +74,8 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
             )
         return outs
 
-    lm_bytes = step.lm_head.numel() * 2
+    lm_head = step.weights.lm_head
+    lm_bytes = lm_head.numel() * 2
     logits = torch.randn(batch, config.vocab_size, device="cuda") * 3
     result = {
         "norms (2 per layer)": (
@@ -90,7 +91,7 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
                     k,
                     k,
                     step.positions,
-                    step.inv_freq,
+                    step.weights.inv_freq,
                     config.rope.attention_scaling,
                     kc,
                     vc,
@@ -105,10 +106,10 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
         "o triton": dense(linear, "o"),
         "moe": (lambda: [mxfp4_moe(x, moe) for moe in moes], 0),
         "unembed cublas": (
-            lambda: linear_reference(x, step.lm_head, out_dtype=torch.float32),
+            lambda: linear_reference(x, lm_head, out_dtype=torch.float32),
             lm_bytes,
         ),
-        "unembed triton": (lambda: linear(x, step.lm_head, out_dtype=torch.float32), lm_bytes),
+        "unembed triton": (lambda: linear(x, lm_head, out_dtype=torch.float32), lm_bytes),
         "sampling bf16 logits": (
             lambda: sample_tokens(
                 logits.to(torch.bfloat16), step.temperature, step.top_p, step.seeds, step.steps
@@ -156,7 +157,7 @@ def main() -> int:
                 "tbps": round(nbytes / (us * 1e-6) / 1e12, 3) if nbytes else None,
             }
         )
-    attns = [attn for attn, _ in step.layers]
+    attns = [layer.attention for layer in step.weights.layers]
     for tiles in GEMV_SWEEP:
         for name, weight_of, x in [
             ("qkv", lambda w: w.qkv_weight, step.hidden),

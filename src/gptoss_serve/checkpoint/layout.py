@@ -8,6 +8,7 @@ Expert weights stay MXFP4 as released: ``*_blocks`` are uint8 bytes holding two 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gptoss_serve.config import MXFP4_BLOCK_SIZE, ModelConfig
@@ -25,6 +26,10 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string: "BF16" or "U8"
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * (1 if self.dtype == U8 else 2)
 
 
 # (name template, shape in config terms, dtype). "{i}" is the layer index.

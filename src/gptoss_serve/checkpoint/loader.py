@@ -4,12 +4,17 @@ Everything is validated against the name map (layout.py) before a single tensor 
 missing, unexpected, wrong shape or dtype, unreadable or truncated files. Loading then either
 returns every tensor or raises; nothing is half-loaded silently. MXFP4 expert tensors stay
 packed uint8; the rest stay bf16 (the model casts them to its compute dtype).
+
+``load_checkpoint`` returns the whole dict (the plain-torch model); ``validate_checkpoint``
+then ``read_checkpoint`` stream it tensor by tensor (the GPU engine, which builds each layer
+as soon as its tensors are in and so never holds the model twice).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,12 +59,17 @@ def load_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """Return every tensor of the checkpoint by name, validated against ``config``."""
     model_dir = Path(model_dir)
-    expected = expected_tensors(config)
-    files = checkpoint_files(model_dir)
+    return dict(read_checkpoint(model_dir, validate_checkpoint(model_dir, config), device))
 
-    # Pass 1: headers only. Find every problem before reading any data.
+
+def validate_checkpoint(model_dir: str | Path, config: ModelConfig) -> dict[str, list[str]]:
+    """Check every header against ``config`` before any data is read; raise CheckpointError on
+    the first problem. Returns each file's tensor names, in the file's order."""
+    model_dir = Path(model_dir)
+    expected = expected_tensors(config)
     located: dict[str, str] = {}
-    for file_name, indexed_names in files.items():
+    contents: dict[str, list[str]] = {}
+    for file_name, indexed_names in checkpoint_files(model_dir).items():
         path = model_dir / file_name
         with _open(path) as handle:
             names = list(handle.keys())
@@ -76,24 +86,32 @@ def load_checkpoint(
                     raise CheckpointError(f"{path}: tensor '{name}' also in {located[name]}")
                 _check_header(path, handle, expected[name])
                 located[name] = file_name
+        contents[file_name] = names
     for name in expected:
         if name not in located:
             raise CheckpointError(f"{model_dir}: missing tensor '{name}'")
+    return contents
 
-    # Pass 2: the data.
-    tensors: dict[str, torch.Tensor] = {}
-    for file_name in files:
+
+def read_checkpoint(
+    model_dir: str | Path, contents: dict[str, list[str]], device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) file by file, each read straight to ``device``; ``contents`` is what
+    validate_checkpoint returned. One tensor at a time, so a consumer that keeps only what it
+    needs never holds a second copy of the model."""
+    model_dir = Path(model_dir)
+    for file_name, names in contents.items():
         path = model_dir / file_name
         with _open(path, device) as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+            for name in names:
                 try:
-                    tensors[name] = handle.get_tensor(name)
+                    tensor = handle.get_tensor(name)
                 except SafetensorError as error:
                     raise CheckpointError(
                         f"{path}: tensor '{name}' unreadable ({error})"
                     ) from error
+                yield name, tensor
         logger.info("loaded %s", path)
-    return tensors
 
 
 def _open(path: Path, device: str | torch.device = "cpu"):

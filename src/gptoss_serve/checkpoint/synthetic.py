@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gptoss_serve.checkpoint.layout import U8, TensorSpec, expected_tensors
+from gptoss_serve.checkpoint.layout import TensorSpec, expected_tensors
 from gptoss_serve.checkpoint.loader import INDEX_FILE, SINGLE_FILE
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
@@ -78,7 +78,7 @@ def _split(specs: list[TensorSpec], num_shards: int) -> list[list[TensorSpec]]:
     """Contiguous shards of roughly equal bytes, none empty (as HF's save_pretrained does)."""
     if not 1 <= num_shards <= len(specs):
         raise ValueError(f"num_shards must be between 1 and {len(specs)}, got {num_shards}")
-    sizes = [math.prod(s.shape) * (1 if s.dtype == U8 else 2) for s in specs]
+    sizes = [spec.num_bytes for spec in specs]
     target = sum(sizes) / num_shards
     shards: list[list[TensorSpec]] = [[]]
     filled = 0.0
@@ -94,19 +94,27 @@ def _split(specs: list[TensorSpec], num_shards: int) -> list[list[TensorSpec]]:
     return shards
 
 
-def random_tensor(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
-    """One tensor of ``spec``'s shape and dtype with the scale its role calls for."""
+def random_tensor(
+    spec: TensorSpec, generator: torch.Generator, device: str | torch.device | None = None
+) -> torch.Tensor:
+    """One tensor of ``spec``'s shape and dtype with the scale its role calls for, drawn on
+    ``device`` (default: the generator's; "meta" takes a CPU generator and draws nothing)."""
+    device = generator.device if device is None else device
     suffix = spec.name.rsplit(".", 1)[-1]
     if suffix.endswith("_blocks"):
-        return torch.randint(0, 256, spec.shape, dtype=torch.uint8, generator=generator)
+        return torch.randint(
+            0, 256, spec.shape, dtype=torch.uint8, generator=generator, device=device
+        )
     if suffix.endswith("_scales"):
-        return _random_scales(spec, generator)
+        return _random_scales(spec, generator, device)
     std, mean = _std_and_mean(spec)
-    values = torch.randn(spec.shape, generator=generator) * std + mean
+    values = torch.randn(spec.shape, generator=generator, device=device) * std + mean
     return values.to(torch.bfloat16)
 
 
-def _random_scales(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
+def _random_scales(
+    spec: TensorSpec, generator: torch.Generator, device: str | torch.device
+) -> torch.Tensor:
     """E8M0 exponents around a fan-in-derived base, jittered by ±1 per 32-element block."""
     fan_in = spec.shape[-1] * 32
     if spec.name.endswith("gate_up_proj_scales"):
@@ -114,7 +122,7 @@ def _random_scales(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor
     else:
         target = 1.0 / (_SWIGLU_RMS * math.sqrt(fan_in))  # down_proj: output std ~1
     base = E8M0_BIAS + round(math.log2(target / _E2M1_RMS))
-    jitter = torch.randint(-1, 2, spec.shape, generator=generator)
+    jitter = torch.randint(-1, 2, spec.shape, generator=generator, device=device)
     return (base + jitter).to(torch.uint8)
 
 
