@@ -3,14 +3,20 @@
 gptoss-serve generate --model DIR|demo --prompt TEXT ...
 gptoss-serve logits --model DIR|demo --prompt-ids 1,2,3|@FILE --out FILE.npy
 gptoss-serve make-checkpoint OUT --preset tiny|20b|120b [--layers N ...]
+gptoss-serve bench-serve --base-url URL --concurrency N --input-len N --output-len N ...
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
+import datetime as dt
+import json
 import logging
+import math
 import os
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -20,10 +26,10 @@ import numpy as np
 import torch
 import uvicorn
 
+from gptoss_serve.benchmarks import report, serve_load
 from gptoss_serve.benchmarks.engine_run import (
     cap_process_memory,
     fit_check_subprocess,
-    git_commit,
     run_engine_bench,
     run_fit_check,
     write_results,
@@ -175,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("layers", "experts", "experts-per-token", "hidden", "intermediate", "heads",
                  "kv-heads", "head-dim", "vocab", "sliding-window"):  # fmt: skip
         make.add_argument(f"--{flag}", type=_positive_int, default=None)
+
+    _add_bench_serve_parser(commands)
     return parser
 
 
@@ -397,7 +405,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_fit_check(weights, engine_config(args))
     weights, name = _load_weights(args.model, dtype=torch.bfloat16)
     config = engine_config(args, max_num_seqs=max(args.max_num_seqs, args.throughput_seqs))
-    commit = os.environ.get("BENCH_COMMIT") or git_commit()
+    commit = os.environ.get("BENCH_COMMIT") or report.git_commit()
     fit = None
     results = run_engine_bench(weights, name, config, decode_tokens=args.decode_tokens,
                                throughput_seqs=args.throughput_seqs, commit=commit)  # fmt: skip
@@ -408,12 +416,72 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_serve_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser(
+        "bench-serve", help="load a running server with /v1/responses requests; print timings"
+    )
+    # Numbers are checked by BenchServeConfig, so that a bad one is a single line like the
+    # other usage errors of this command (an unreachable server, an unknown model).
+    bench.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bench.add_argument("--model", default=None, help="default: the first one the server lists")
+    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument("--concurrency", type=int, default=8, help="most in flight")
+    bench.add_argument("--input-len", type=int, default=256,
+                       help="tokens of user text per request (each one distinct)")  # fmt: skip
+    bench.add_argument("--output-len", type=int, default=128,
+                       help="max_output_tokens of each request")  # fmt: skip
+    bench.add_argument("--shared-prefix-len", type=int, default=0,
+                       help="leading user-text tokens common to all requests")  # fmt: skip
+    bench.add_argument("--request-rate", type=float, default=math.inf,
+                       help="Poisson arrivals per second (default inf: all at once)")  # fmt: skip
+    bench.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    bench.add_argument("--temperature", type=float, default=1.0)
+    bench.add_argument("--reasoning-effort", choices=serve_load.REASONING_EFFORTS, default=None)
+    bench.add_argument("--warmup", type=int, default=0,
+                       help="requests run first and not counted")  # fmt: skip
+    bench.add_argument("--seed", type=int, default=None, help="default: a random one (reported)")
+    bench.add_argument("--timeout", type=float, default=600.0,
+                       help="seconds of server silence that fail a request")  # fmt: skip
+    bench.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """The table on stdout (and JSON with --out); exit status 1 when every request failed."""
+    if args.out is not None and not args.out.parent.is_dir():
+        raise UsageError(f"--out: no directory {args.out.parent}")
+    try:
+        config = serve_load.BenchServeConfig(
+            base_url=args.base_url, model=args.model, num_requests=args.num_requests,
+            concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
+            shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
+            stream=args.stream, temperature=args.temperature,
+            reasoning_effort=args.reasoning_effort, warmup=args.warmup,
+            seed=random.randrange(2**31) if args.seed is None else args.seed,
+            timeout_s=args.timeout,
+        )  # fmt: skip
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    try:
+        run = asyncio.run(serve_load.run_benchmark(config))
+    except serve_load.BenchError as error:
+        raise UsageError(str(error)) from error
+    date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    commit = os.environ.get("BENCH_COMMIT") or report.git_commit()
+    summary = report.summarize(run, date=date, commit=commit)
+    sys.stdout.write(report.format_table(summary))
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+        sys.stderr.write(f"wrote {args.out}\n")
+    return 0 if summary["num_ok"] else 1
+
+
 COMMANDS = {
     "serve": run_serve,
     "bench": run_bench,
     "generate": run_generate,
     "logits": run_logits,
     "make-checkpoint": run_make_checkpoint,
+    "bench-serve": run_bench_serve,
 }
 
 

@@ -28,15 +28,6 @@ FIT_CONTEXT = 128 * 1024  # tokens of context the capped process must serve
 FIT_OUTPUT_TOKENS = 16
 
 
-def git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, timeout=10)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
-
-
 def run_engine_bench(
     weights: ModelWeights, name: str, config: EngineConfig, *, decode_tokens: int,
     throughput_seqs: int, commit: str | None,

@@ -1,0 +1,337 @@
+"""A load generator for a running server: many ``POST /v1/responses`` at once, timed per request.
+
+Each request sends a prompt of ``input_len`` tokens (see prompts.py) and asks for
+``max_output_tokens = output_len``; random-weight models never stop on their own, so each
+one runs exactly that many tokens and ends ``incomplete``, which counts as a success. With
+streaming, the client reads the server-sent events itself and records:
+
+- TTFT: from sending to the first output delta (reasoning, message text or function-call
+  arguments: gpt-oss reasons first, so its first visible token is usually a reasoning one);
+- TPOT: (terminal event - first delta) / (output_tokens - 1), with output_tokens from the
+  final ``usage``, since one delta event may carry several tokens, or none (Harmony headers);
+- the end-to-end latency: from sending to the terminal event (or to the whole JSON body).
+
+Up to ``concurrency`` requests are in flight; with a finite ``request_rate`` they arrive as a
+Poisson process. Only the client side lives here (httpx, no torch): it measures any server
+that speaks the Responses API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from gptoss_serve.benchmarks.prompts import MAX_MARKER_TOKENS, Prompt, make_prompts
+from gptoss_serve.benchmarks.sse import SseDecoder
+
+logger = logging.getLogger(__name__)
+
+DELTA_TYPES = frozenset(
+    {
+        "response.output_text.delta",
+        "response.reasoning_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
+TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# `incomplete` is what a max_output_tokens cut gives: the benchmark asks for exactly that.
+OK_STATUSES = frozenset({"completed", "incomplete"})
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+class BenchError(Exception):
+    """The benchmark cannot run at all: the server is unreachable, or does not serve the model."""
+
+
+@dataclass(frozen=True)
+class BenchServeConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None: the first model the server lists
+    num_requests: int = 64
+    concurrency: int = 8  # most requests in flight at once
+    input_len: int = 256  # tokens of user text per request
+    output_len: int = 128  # max_output_tokens
+    shared_prefix_len: int = 0  # leading user-text tokens common to all requests
+    request_rate: float = math.inf  # Poisson arrivals per second; inf: all at once
+    stream: bool = True
+    temperature: float = 1.0
+    reasoning_effort: str | None = None  # None: the server's default
+    warmup: int = 0  # requests run (and not counted) before the measured ones
+    seed: int = 0  # of the prompts and the arrival times
+    timeout_s: float = 600.0  # most seconds without a byte from the server
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base URL must start with http:// or https://: {self.base_url!r}")
+        for name in ("num_requests", "concurrency", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.shared_prefix_len < 0:
+            raise ValueError("warmup and shared_prefix_len must be >= 0")
+        if self.input_len < self.shared_prefix_len + MAX_MARKER_TOKENS:
+            raise ValueError(
+                f"input_len must be at least shared_prefix_len + {MAX_MARKER_TOKENS} (each "
+                f"prompt holds a unique number), got {self.input_len}"
+            )
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 (inf: all at once): {self.request_rate}")
+        if not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
+            raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout_s}")
+
+    @property
+    def root_url(self) -> str:
+        """The server's root; a base URL given with the SDK's ``/v1`` suffix works too."""
+        return self.base_url.rstrip("/").removesuffix("/v1")
+
+    def settings(self) -> dict[str, Any]:
+        """The fields as JSON values (an infinite rate is null: JSON has no infinity)."""
+        settings = asdict(self)
+        if math.isinf(self.request_rate):
+            settings["request_rate"] = None
+        return settings
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    index: int
+    status: str | None  # the response's status; None when no response object came back
+    error: str | None  # why the request failed; None when it succeeded
+    prompt_tokens: int  # of the user text
+    input_tokens: int  # usage: the whole rendered prompt
+    output_tokens: int  # usage: every generated token, reasoning included
+    started_s: float  # when it was sent, since the start of its phase
+    latency_s: float  # sent -> terminal event (or the whole body, or the failure)
+    ttft_s: float | None  # sent -> first output delta; None without streaming or deltas
+    delta_times_s: tuple[float, ...] = ()  # sent -> each delta event
+
+    @property
+    def is_ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    config: BenchServeConfig
+    model: str
+    duration_s: float  # first send -> last completion of the measured requests
+    results: tuple[RequestResult, ...]
+
+
+@dataclass
+class _Outcome:
+    """What one request has received so far (filled while its stream is read)."""
+
+    response: dict[str, Any] | None = None
+    error: str | None = None
+    end_s: float | None = None
+    delta_times_s: list[float] = field(default_factory=list)
+
+    def finish(self, response: dict[str, Any], end_s: float) -> None:
+        self.response, self.end_s = response, end_s
+        status = response.get("status")
+        if status not in OK_STATUSES and self.error is None:
+            error = response.get("error") or {}
+            self.error = f"response {status}: {error.get('code')}: {error.get('message')}"
+
+
+async def run_benchmark(config: BenchServeConfig) -> BenchRun:
+    """Resolve the model, run the warm-up requests, then the measured ones."""
+    timeout = httpx.Timeout(config.timeout_s)
+    # One connection per request in flight: the pool must never be what limits concurrency.
+    limits = httpx.Limits(
+        max_connections=config.concurrency, max_keepalive_connections=config.concurrency
+    )
+    client = httpx.AsyncClient(base_url=config.root_url, timeout=timeout, limits=limits)
+    async with client:
+        model = await resolve_model(client, config)
+        # Prompts are built before any timing; warm-up prompts are distinct from the measured
+        # ones so that they cannot warm a prefix cache for them.
+        prompts = make_prompts(
+            config.warmup + config.num_requests,
+            config.input_len,
+            seed=config.seed,
+            shared_prefix_len=config.shared_prefix_len,
+        )
+        rng = random.Random(config.seed)
+        if config.warmup:
+            warmup, _ = await _run_phase(client, config, model, prompts[: config.warmup], rng)
+            num_failed = sum(not result.is_ok for result in warmup)
+            logger.info("warm-up: %d requests, %d failed", len(warmup), num_failed)
+        results, duration = await _run_phase(client, config, model, prompts[config.warmup :], rng)
+    return BenchRun(config, model, duration, tuple(results))
+
+
+async def resolve_model(client: httpx.AsyncClient, config: BenchServeConfig) -> str:
+    """``config.model`` if the server lists it, else the first model it lists."""
+    url = f"{config.root_url}/v1/models"
+    try:
+        response = await client.get("/v1/models")
+    except httpx.HTTPError as error:
+        raise BenchError(f"cannot reach {config.root_url}: {_describe(error)}") from error
+    if response.status_code != 200:
+        raise BenchError(f"GET {url} answered HTTP {response.status_code}")
+    try:
+        served = [model["id"] for model in response.json()["data"]]
+    except (ValueError, KeyError, TypeError) as error:
+        raise BenchError(f"GET {url} did not return an OpenAI model list") from error
+    if not served:
+        raise BenchError(f"{config.root_url} serves no model")
+    if config.model is None:
+        return served[0]
+    if config.model not in served:
+        raise BenchError(f"model {config.model!r} is not served by {config.root_url} "
+                         f"(it serves {', '.join(served)})")  # fmt: skip
+    return config.model
+
+
+def request_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "input": prompt.text,
+        "max_output_tokens": config.output_len,
+        "temperature": config.temperature,
+        "stream": config.stream,
+        # Thousands of gibberish responses have no business in the server's store.
+        "store": False,
+    }
+    if config.reasoning_effort is not None:
+        body["reasoning"] = {"effort": config.reasoning_effort}
+    return body
+
+
+def arrival_times(num_requests: int, rate: float, rng: random.Random) -> list[float]:
+    """Seconds after the start at which each request is due: a Poisson process of ``rate``
+    per second (exponential gaps), the first one at 0; all at 0 when the rate is infinite."""
+    times, now = [], 0.0
+    for index in range(num_requests):
+        if index and not math.isinf(rate):
+            now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+async def _run_phase(
+    client: httpx.AsyncClient,
+    config: BenchServeConfig,
+    model: str,
+    prompts: list[Prompt],
+    rng: random.Random,
+) -> tuple[list[RequestResult], float]:
+    semaphore = asyncio.Semaphore(config.concurrency)
+    due = arrival_times(len(prompts), config.request_rate, rng)
+    phase_start = time.perf_counter()
+
+    async def one(index: int) -> RequestResult:
+        delay = phase_start + due[index] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        # A request that arrives while all slots are busy waits here; its latency counts from
+        # when it is sent, as a client with a connection limit would see it.
+        async with semaphore:
+            body = request_body(config, model, prompts[index])
+            return await _send(client, body, index, prompts[index], phase_start)
+
+    results = await asyncio.gather(*(one(index) for index in range(len(prompts))))
+    return list(results), time.perf_counter() - phase_start
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    body: dict[str, Any],
+    index: int,
+    prompt: Prompt,
+    phase_start: float,
+) -> RequestResult:
+    start = time.perf_counter()
+    outcome = _Outcome()
+    try:
+        async with client.stream("POST", "/v1/responses", json=body) as response:
+            if response.status_code != 200:
+                outcome.error = _http_error(response.status_code, await response.aread())
+            elif body["stream"]:
+                await _read_events(response, start, outcome)
+            else:
+                body_json = _json_object(await response.aread(), "the response body")
+                outcome.finish(body_json, time.perf_counter() - start)
+    except (httpx.HTTPError, ValueError) as error:
+        # A failed request (no answer, or one that is not JSON) is a result of the benchmark,
+        # reported with the others; the run goes on.
+        outcome.error = _describe(error)
+    if outcome.error is not None:
+        logger.info("request %d failed: %s", index, outcome.error)
+    usage = (outcome.response or {}).get("usage") or {}
+    deltas = outcome.delta_times_s
+    return RequestResult(
+        index=index,
+        status=outcome.response.get("status") if outcome.response else None,
+        error=outcome.error,
+        prompt_tokens=prompt.num_tokens,
+        input_tokens=usage.get("input_tokens", 0),
+        output_tokens=usage.get("output_tokens", 0),
+        started_s=start - phase_start,
+        latency_s=outcome.end_s if outcome.end_s is not None else time.perf_counter() - start,
+        ttft_s=deltas[0] if deltas else None,
+        delta_times_s=tuple(deltas),
+    )
+
+
+async def _read_events(response: httpx.Response, start: float, outcome: _Outcome) -> None:
+    decoder = SseDecoder()
+    async for line in response.aiter_lines():
+        event = decoder.feed(line)
+        if event is None:
+            continue
+        now = time.perf_counter() - start
+        # The `event:` line names the type, so only the few non-delta events are parsed: at
+        # hundreds of requests in flight, parsing every delta's JSON would slow the client.
+        kind = event.event or _json_object(event.data, "an event").get("type")
+        if kind in DELTA_TYPES:
+            outcome.delta_times_s.append(now)
+        elif kind in TERMINAL_TYPES:
+            final = _json_object(event.data, f"{kind}").get("response")
+            outcome.finish(_json_object(final, f"{kind}.response"), now)
+        elif kind == "error":
+            outcome.error = f"error event: {event.data[:200]}"
+    if outcome.response is None and outcome.error is None:
+        outcome.error = "the stream ended without a terminal event"
+
+
+def _json_object(value: str | bytes | Any, what: str) -> dict[str, Any]:
+    """``value`` (JSON text, or already parsed) as a dict; ValueError if it is not one."""
+    parsed = json.loads(value) if isinstance(value, str | bytes) else value
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return parsed
+
+
+def _http_error(status_code: int, content: bytes) -> str:
+    """``HTTP 400: <the error's message>`` (the OpenAI error shape), else the body's start."""
+    try:
+        message = json.loads(content)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = content[:200].decode(errors="replace")
+    return f"HTTP {status_code}: {message}"
+
+
+def _describe(error: Exception) -> str:
+    # Some httpx errors (timeouts) have an empty message; the class name still says what.
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
