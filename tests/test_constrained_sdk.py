@@ -79,8 +79,11 @@ def _variant(index: int) -> dict[str, Any]:
 
 
 def _message_text(response: Response) -> str:
-    (message,) = [item for item in response.output if item.type == "message"]
-    return "".join(part.text for part in message.content)
+    """The final answer's text. A preamble (a commentary message, which the grammar allows
+    before the answer) may come first: it is a message item too, but not the answer."""
+    messages = [item for item in response.output if item.type == "message"]
+    assert messages and all(m.phase == "commentary" for m in messages[:-1]), response.output
+    return "".join(part.text for part in messages[-1].content)
 
 
 def _function_calls(response: Response) -> list:

@@ -65,6 +65,8 @@ def build_engine(
         weights, kv, scheduler_config, ops=ops, use_cuda_graphs=config.use_cuda_graphs
     )
     runner.capture_graphs()
+    if weights.device.type == "cuda" and not config.reference_ops:
+        warm_up(runner, scheduler_config, plan)
 
     def make_core() -> EngineCore:
         manager = KvCacheManager(
@@ -181,3 +183,47 @@ def profile_step_memory(weights: ModelWeights, scheduler: SchedulerConfig, ops: 
     torch.cuda.empty_cache()
     logger.info("one step of %d tokens needs %.2f GiB beyond the weights", num_tokens, peak / GIB)
     return peak
+
+
+def warm_up(runner: ModelRunner, scheduler: SchedulerConfig, plan: KvCachePlan) -> None:
+    """Run the eager step shapes once before serving, so that Triton compiles its variants
+    (MoE tile buckets by token count, split counts of the decode attention, prefill over a
+    cache) now and not inside the first users' requests. Writes only free KV blocks."""
+    started = time.perf_counter()
+    num_blocks = min(plan.num_full_blocks, plan.num_sliding_blocks or plan.num_full_blocks)
+    budget = scheduler.max_num_batched_tokens
+    sizes = sorted({*(1 << i for i in range(4, budget.bit_length())), budget})
+    for num_tokens in sizes:
+        if cdiv(num_tokens, BLOCK_SIZE) <= num_blocks:
+            runner.forward(_dummy_step([], num_tokens))
+    for context in (256, 2048, 16384, 65536):
+        if cdiv(context, BLOCK_SIZE) > num_blocks or context >= scheduler.max_model_len:
+            continue
+        batch = 1
+        while batch < scheduler.max_num_seqs:
+            runner.forward(_dummy_step([context] * batch, 16))
+            batch *= 4
+    torch.cuda.synchronize(runner.device)
+    logger.info("warm-up of the eager step shapes: %.1fs", time.perf_counter() - started)
+
+
+def _dummy_step(decode_lens: list[int], num_prefill_tokens: int) -> SchedulerOutput:
+    """Decodes at the given lengths and one prefill, all over blocks 0, 1, 2 ..."""
+    longest = max([num_prefill_tokens, *decode_lens])
+    table = tuple(range(cdiv(longest, BLOCK_SIZE)))
+    entries = [
+        ScheduledRequest(
+            request_id=f"warm-{index}", token_ids=(0,), num_computed_tokens=length - 1,
+            block_ids=(table, table), new_block_ids=((), ()), is_new=False, is_sampled=True,
+        )
+        for index, length in enumerate(decode_lens)
+    ]  # fmt: skip
+    entries.append(
+        ScheduledRequest(
+            request_id="warm-prefill", token_ids=(0,) * num_prefill_tokens,
+            num_computed_tokens=0, block_ids=(table, table), new_block_ids=(table, table),
+            is_new=True, is_sampled=True,
+        )
+    )  # fmt: skip
+    return SchedulerOutput(step=-1, scheduled=tuple(entries), num_decodes=len(decode_lens),
+                           preempted_request_ids=(), finished_request_ids=())  # fmt: skip

@@ -1,0 +1,90 @@
+"""The Responses API over the batched engine (what `serve` runs on a GPU), here on the CPU with
+the reference ops: the real `openai` SDK, constrained answers and calls, concurrent requests
+batched in the same steps, and a client that goes away mid-stream.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from constrained_cases import SCHEMAS, TOOL_PARAMETERS, assert_valid_json, tools
+from gptoss_serve.config import EngineConfig, SchedulerConfig, ServerConfig
+from gptoss_serve.engine.startup import build_async_engine
+from gptoss_serve.engine.weights import load_weights
+from gptoss_serve.server.app import create_app
+from gptoss_serve.server.store import ResponseStore
+from server_helpers import running_server
+
+NUM_PARALLEL = 6
+
+
+@pytest.fixture(scope="module")
+def engine_and_client(demo_dir: Path) -> Iterator[tuple[object, openai.OpenAI]]:
+    weights = load_weights(demo_dir, device="cpu", dtype=torch.float32, progress=False)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+        kv_cache_tokens=32768, reference_ops=True, use_cuda_graphs=False,
+    )  # fmt: skip
+    engine = build_async_engine(weights, "demo", config)
+    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
+    with running_server(app) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        yield engine, client
+
+
+def _run_all(client: openai.OpenAI, requests: list[dict]) -> list:
+    with concurrent.futures.ThreadPoolExecutor(NUM_PARALLEL) as pool:
+        return list(pool.map(lambda request: client.responses.create(**request), requests))
+
+
+def test_constrained_requests_in_one_batch(engine_and_client) -> None:
+    _, client = engine_and_client
+    base = {"model": "demo", "reasoning": {"effort": "low"}, "max_output_tokens": 72,
+            "extra_body": {"reasoning_budget": 4}}  # fmt: skip
+    names = ["flat", "enum", "optional", "booleans_and_null"]
+    requests = [
+        {**base, "input": f"Fill {name}.",
+         "text": {"format": {"type": "json_schema", "name": name, "schema": SCHEMAS[name],
+                             "strict": True}}}
+        for name in names
+    ] + [
+        {**base, "input": "Call something.", "tools": tools(strict=True), "tool_choice": "required"}
+        for _ in range(2)
+    ]  # fmt: skip
+    responses = _run_all(client, requests)
+    for request, response in zip(requests, responses, strict=True):
+        assert response.status in ("completed", "incomplete"), response.error
+        if response.status != "completed":
+            continue
+        if "text" in request:
+            (message,) = [item for item in response.output if item.type == "message"]
+            schema = request["text"]["format"]["schema"]
+            assert_valid_json("".join(part.text for part in message.content), schema)
+        else:
+            (call,) = [item for item in response.output if item.type == "function_call"]
+            assert_valid_json(call.arguments, TOOL_PARAMETERS[call.name])
+    assert sum(r.status == "completed" for r in responses) >= 4
+
+
+def test_streaming_disconnect_frees_the_request(engine_and_client) -> None:
+    engine, client = engine_and_client
+    stream = client.responses.create(model="demo", input="Talk.", stream=True,
+                                     max_output_tokens=2000)  # fmt: skip
+    for event in stream:
+        if event.type.endswith(".delta"):
+            break
+    stream.close()
+    # The worker aborts the request on its next pass: the scheduler holds nothing after.
+    deadline = time.monotonic() + 30
+    while engine._core.has_unfinished_requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not engine._core.has_unfinished_requests
+    again = client.responses.create(model="demo", input="Hi.", max_output_tokens=8)
+    assert again.status == "incomplete" and again.usage.output_tokens == 8
