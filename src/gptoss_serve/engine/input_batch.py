@@ -78,6 +78,9 @@ class InputBatch:
         ]
         self.prefill_seq_lens = _Buffer((seqs,), torch.int32, device)
         self.query_start_loc = _Buffer((seqs + 1,), torch.int32, device)
+        # Recorded after a step's uploads: the pinned host buffers may be refilled only once
+        # those copies ran (a step that reads its tokens back has waited for them anyway).
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     def prepare(self, output: SchedulerOutput, *, decode_rows: int | None = None) -> StepInputs:
         """``decode_rows``: pad an all-decode step to this many rows (a captured graph's size);
@@ -92,18 +95,23 @@ class InputBatch:
         if padded and (num_decodes != len(scheduled) or decode_rows < num_decodes):
             raise ValueError("only an all-decode step can be padded")
         total_rows = decode_rows if padded else num_tokens
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         self._fill_rows(output, total_rows)
         metadata = self._metadata(output, total_rows, padded)
         sampled = [i for i, s in enumerate(scheduled) if s.is_sampled]
         row_ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         self.logits_indices.np[: len(sampled)] = row_ends[sampled] if sampled else []
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=self.input_ids.upload(total_rows),
             metadata=metadata,
             logits_indices=self.logits_indices.upload(len(sampled)),
             sampled_request_ids=tuple(scheduled[i].request_id for i in sampled),
             num_scheduled_tokens=num_tokens,
         )
+        if self._uploaded is not None:
+            self._uploaded.record()
+        return inputs
 
     def _fill_rows(self, output: SchedulerOutput, total_rows: int) -> None:
         row = 0

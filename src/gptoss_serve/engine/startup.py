@@ -16,6 +16,7 @@ from gptoss_serve.config import EngineConfig, SchedulerConfig
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
 from gptoss_serve.engine.client import EngineInfo
+from gptoss_serve.engine.cuda_graphs import graph_batch_sizes
 from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.forward import forward
 from gptoss_serve.engine.input_batch import InputBatch
@@ -28,7 +29,7 @@ from gptoss_serve.engine.kv_sizing import (
     kv_cache_bytes,
     plan_kv_cache,
 )
-from gptoss_serve.engine.model_runner import ModelRunner
+from gptoss_serve.engine.model_runner import ModelRunner, SamplingBatch
 from gptoss_serve.engine.ops import KERNEL_OPS, REFERENCE_OPS, Ops
 from gptoss_serve.engine.scheduler import Scheduler
 from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -203,6 +204,12 @@ def warm_up(runner: ModelRunner, scheduler: SchedulerConfig, plan: KvCachePlan) 
         while batch < scheduler.max_num_seqs:
             runner.forward(_dummy_step([context] * batch, 16))
             batch *= 4
+    # The sampler at every decode batch size (its kernels specialise on the row count).
+    vocab = runner.weights.config.vocab_size
+    for rows in graph_batch_sizes(scheduler.max_num_seqs):
+        logits = torch.zeros(rows, vocab, dtype=torch.float32, device=runner.device)
+        runner.sample(logits, SamplingBatch([1.0] * rows, [0.9] * rows, [0] * rows, [0] * rows),
+                      None)  # fmt: skip
     torch.cuda.synchronize(runner.device)
     logger.info("warm-up of the eager step shapes: %.1fs", time.perf_counter() - started)
 
