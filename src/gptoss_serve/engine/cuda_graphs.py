@@ -33,17 +33,21 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
-    def capture(self, run: Callable[[int], torch.Tensor]) -> None:
-        """``run(size)`` runs the decode step on the first ``size`` rows of the runner's
-        buffers (all padding at capture time) and returns its logits. Largest size first,
-        so the smaller graphs fit in the memory pool the largest one reserved."""
+    def capture(
+        self, prepare: Callable[[int], object], run: Callable[[object], torch.Tensor]
+    ) -> None:
+        """``prepare(size)`` fills the first ``size`` rows of the runner's buffers (padding)
+        and returns the step's inputs, outside the graph (host work and uploads are not part
+        of it); ``run(inputs)`` is the decode step on them, returning its logits. Largest size
+        first, so the smaller graphs fit in the memory pool the largest one reserved."""
         started = time.perf_counter()
         for size in reversed(self.batch_sizes):
-            run(size)  # warm-up outside the graph: Triton compiles, cuBLAS picks algorithms
+            inputs = prepare(size)
+            run(inputs)  # warm-up outside the graph: Triton compiles, cuBLAS picks algorithms
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = run(size)
+                logits = run(inputs)
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[size] = (graph, logits)

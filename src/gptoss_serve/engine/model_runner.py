@@ -62,16 +62,17 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
-            self.graphs.capture(self._decode_padding_step)
+            self.graphs.capture(self._padding_inputs, self._decode_step)
 
-    def _decode_padding_step(self, size: int) -> torch.Tensor:
-        """The decode step over ``size`` padding rows, as the graphs capture it."""
-        from gptoss_serve.engine.scheduler_output import SchedulerOutput  # noqa: PLC0415
-
+    def _padding_inputs(self, size: int) -> StepInputs:
+        """A decode step of ``size`` padding rows (length 0, slot -1), as graphs capture it."""
         empty = SchedulerOutput(
-            step=-1, scheduled=(), num_decodes=0, preempted_request_ids=(), finished_request_ids=()
-        )
-        inputs = self.batch.prepare(empty, decode_rows=size)
+            step=-1, scheduled=(), num_decodes=0, preempted_request_ids=(),
+            finished_request_ids=(),
+        )  # fmt: skip
+        return self.batch.prepare(empty, decode_rows=size)
+
+    def _decode_step(self, inputs: StepInputs) -> torch.Tensor:
         return forward(self.weights, self.kv, self.ops, inputs.input_ids, inputs.metadata)
 
     def forward(self, output: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
