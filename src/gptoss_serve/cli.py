@@ -403,15 +403,13 @@ def run_bench(args: argparse.Namespace) -> int:
         cap_process_memory()
         weights, _ = _load_weights(args.model, dtype=torch.bfloat16)
         return run_fit_check(weights, engine_config(args))
+    # The capped process first, while this one holds no GPU memory yet.
+    fit = None if args.skip_fit_check else fit_check_subprocess(args.model)
     weights, name = _load_weights(args.model, dtype=torch.bfloat16)
     config = engine_config(args, max_num_seqs=max(args.max_num_seqs, args.throughput_seqs))
     commit = os.environ.get("BENCH_COMMIT") or report.git_commit()
-    fit = None
     results = run_engine_bench(weights, name, config, decode_tokens=args.decode_tokens,
                                throughput_seqs=args.throughput_seqs, commit=commit)  # fmt: skip
-    if not args.skip_fit_check:
-        del weights
-        fit = fit_check_subprocess(args.model)
     write_results(results, fit, args.out)
     return 0
 
