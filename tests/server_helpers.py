@@ -110,6 +110,10 @@ class ScriptedEngine:
             if not finished:
                 self.aborted.append(request_id)
 
+    def cached_tokens(self, request_id: str) -> int:
+        del request_id
+        return 0
+
     async def close(self) -> None:
         return None
 

@@ -88,3 +88,22 @@ def test_streaming_disconnect_frees_the_request(engine_and_client) -> None:
     assert not engine._core.has_unfinished_requests
     again = client.responses.create(model="demo", input="Hi.", max_output_tokens=8)
     assert again.status == "incomplete" and again.usage.output_tokens == 8
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(engine_and_client) -> None:
+    _, client = engine_and_client
+    request = {
+        "model": "demo",
+        "input": "Say something about prefix caching, at length.",
+        "instructions": "You are terse. " * 20,
+        "max_output_tokens": 4,
+        "store": False,
+    }
+    first = client.responses.create(**request)
+    second = client.responses.create(**request)
+    assert first.usage.input_tokens == second.usage.input_tokens
+    # The first may share the system message with earlier tests' prompts; the second
+    # reuses every full 16-token block but the one holding its last token.
+    assert first.usage.input_tokens_details.cached_tokens < second.usage.input_tokens - 16
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached == (second.usage.input_tokens - 1) // 16 * 16 > 0

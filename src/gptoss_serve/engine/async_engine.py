@@ -9,6 +9,7 @@ raises fails every request in flight and the engine goes on with new ones.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -23,6 +24,7 @@ from gptoss_serve.engine.engine import EngineCore
 logger = logging.getLogger(__name__)
 
 _DONE = object()  # end-of-stream marker on a request's queue
+_MAX_REMEMBERED = 4096
 
 
 @dataclass
@@ -33,6 +35,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     is_done: bool = False
+    num_cached_tokens: int = 0  # set by the worker from the first output, read after _DONE
 
     def post(self, item: object) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
@@ -50,6 +53,8 @@ class AsyncEngine:
         self._pending: deque[_Stream] = deque()
         self._aborted: set[str] = set()
         self._streams: dict[str, _Stream] = {}  # admitted to the core, worker-thread only
+        # Prefix-cache hits of streams read to the end, until the caller asks (event loop).
+        self._cached: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._is_stopped = False
         self._thread = threading.Thread(target=self._run, name="gpu-engine", daemon=True)
         self._thread.start()
@@ -70,12 +75,18 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+            self._cached[request_id] = stream.num_cached_tokens
+            while len(self._cached) > _MAX_REMEMBERED:  # callers that never asked
+                self._cached.popitem(last=False)
         finally:
             if not stream.is_done:  # the consumer went away (client disconnect): abort
                 with self._condition:
                     self._aborted.add(request_id)
                     self._condition.notify()
                 logger.info("request %s aborted", request_id)
+
+    def cached_tokens(self, request_id: str) -> int:
+        return self._cached.pop(request_id, 0)
 
     async def close(self) -> None:
         with self._condition:
@@ -128,6 +139,7 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            stream.num_cached_tokens = max(stream.num_cached_tokens, output.num_cached_tokens)
             for token in output.new_token_ids:
                 stream.post(token)
             if output.finish_reason is not None:

@@ -39,6 +39,12 @@ class EngineClient(Protocol):
         EngineError, it never hangs."""
         ...
 
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a generation that ended (its stream was read to the end) that
+        came from the prefix cache: ``usage.input_tokens_details.cached_tokens``. 0 when the
+        engine has no prefix cache or does not know the request. Reading it forgets it."""
+        ...
+
     async def close(self) -> None:
         """Stop the engine; in-flight generations end with EngineError."""
         ...

@@ -92,6 +92,10 @@ class CpuEngine:
                 job.is_cancelled = True
                 logger.info("request %s aborted", request_id)
 
+    def cached_tokens(self, request_id: str) -> int:
+        del request_id
+        return 0  # no prefix cache: every prompt is computed
+
     async def close(self) -> None:
         with self._condition:
             self._is_stopped = True

@@ -239,6 +239,7 @@ async def run(
                        prepared.response.id, parser.framing_error)  # fmt: skip
     prepared.response.usage = Usage(
         input_tokens=len(prepared.prompt_ids),
+        input_tokens_details={"cached_tokens": engine.cached_tokens(prepared.response.id)},
         output_tokens=num_output,
         output_tokens_details={"reasoning_tokens": num_reasoning},
         total_tokens=len(prepared.prompt_ids) + num_output,
