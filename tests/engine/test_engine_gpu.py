@@ -128,3 +128,44 @@ def test_busy_batch_alone_and_prefix_hits_all_match_the_model(unambiguous_dir: P
         _check_bf16(model, one, *_run(core, one, 16, runner))
         _check_bf16(model, one, *_run(core, one, 16, runner))  # a prefix-cache hit
     assert core.scheduler.stats().num_prefix_hit_tokens >= 12 * 80
+
+
+def test_grammars_hold_on_the_gpu_path(demo_dir: Path) -> None:
+    """Constrained requests batched with free ones on CUDA (bf16 kernels, graphs): the
+    bitmask reaches the device sampler, every finished JSON answer parses, framing holds."""
+    import json  # noqa: PLC0415
+
+    from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar  # noqa: PLC0415
+    from gptoss_serve.harmony import adapter  # noqa: PLC0415
+    from gptoss_serve.harmony.conversation import MessageDone  # noqa: PLC0415
+    from gptoss_serve.harmony.parse import HarmonyStreamParser  # noqa: PLC0415
+
+    make_core, _, _ = _engine(demo_dir, torch.bfloat16, True)
+    core = make_core()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+    grammar = build_grammar(ConstraintSpec(response_schema=schema, reasoning_budget=4))
+    stops = adapter.assistant_stop_token_ids()
+    prompt = adapter.encode("Hello")
+    for index in range(8):
+        params = SamplingParams(max_tokens=48, seed=index, stop_token_ids=stops,
+                                grammar=grammar if index % 2 == 0 else None)  # fmt: skip
+        core.add_request(f"g{index}", prompt, params)
+    tokens: dict[str, list[int]] = {f"g{index}": [] for index in range(8)}
+    while core.has_unfinished_requests:
+        result = core.step()
+        assert not result.failed
+        for output in result.outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+    num_finished = 0
+    for index in range(0, 8, 2):
+        parser = HarmonyStreamParser()
+        done = [
+            e for t in tokens[f"g{index}"] for e in parser.feed(t) if isinstance(e, MessageDone)
+        ]
+        assert parser.framing_error is None
+        finals = [e.text for e in done if e.channel == "final"]
+        if tokens[f"g{index}"][-1] in stops:
+            num_finished += 1
+            assert 0 <= json.loads(finals[-1])["n"] <= 9
+    assert num_finished >= 2
