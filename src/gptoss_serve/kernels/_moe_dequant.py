@@ -27,47 +27,33 @@ import triton.language as tl
 # and 8-6 (magnitude) reads as code_value · 2^−126 (0.5 is a bf16 subnormal, which mul.bf16x2
 # keeps); x 2^126 (0x7E80), then x 2^(s−127) (bf16 bits s << 7): both exact.
 # $0/$1: even elements of (b0, b1)/(b2, b3); $2/$3: odd elements.
-_E2M1_PTX = tl.constexpr(
-    """
-{
-.reg .b32 t, u, lo, hi, sc, bias;
-mov.b32 bias, 0x7E807E80;
-prmt.b32 t, $4, 0, 0x4140;
-prmt.b32 sc, $5, 0, 0x4140;
-shl.b32 sc, sc, 7;
-shl.b32 lo, t, 12;
-shl.b32 hi, t, 6;
+_NIBBLES_PTX = """shl.b32 lo, t, {sign_shift};
+shl.b32 hi, t, {magnitude_shift};
 and.b32 lo, lo, 0x80008000;
 and.b32 hi, hi, 0x01C001C0;
 or.b32 u, lo, hi;
 mul.rn.bf16x2 u, u, bias;
-mul.rn.bf16x2 $0, u, sc;
-shl.b32 lo, t, 8;
-shl.b32 hi, t, 2;
-and.b32 lo, lo, 0x80008000;
-and.b32 hi, hi, 0x01C001C0;
-or.b32 u, lo, hi;
-mul.rn.bf16x2 u, u, bias;
-mul.rn.bf16x2 $2, u, sc;
-prmt.b32 t, $4, 0, 0x4342;
-prmt.b32 sc, $5, 0, 0x4342;
-shl.b32 sc, sc, 7;
-shl.b32 lo, t, 12;
-shl.b32 hi, t, 6;
-and.b32 lo, lo, 0x80008000;
-and.b32 hi, hi, 0x01C001C0;
-or.b32 u, lo, hi;
-mul.rn.bf16x2 u, u, bias;
-mul.rn.bf16x2 $1, u, sc;
-shl.b32 lo, t, 8;
-shl.b32 hi, t, 2;
-and.b32 lo, lo, 0x80008000;
-and.b32 hi, hi, 0x01C001C0;
-or.b32 u, lo, hi;
-mul.rn.bf16x2 u, u, bias;
-mul.rn.bf16x2 $3, u, sc;
-}
+mul.rn.bf16x2 {out}, u, sc;
 """
+
+
+def _byte_pair_ptx(selector: str, even_out: str, odd_out: str) -> str:
+    """PTX decoding the two bytes ``selector`` picks: low nibbles (even elements) at bit 3 ->
+    15 and 2-0 -> 8-6 (shifts 12, 6), high nibbles at bit 7 -> 15 and 6-4 -> 8-6 (8, 2)."""
+    return (
+        f"prmt.b32 t, $4, 0, {selector};\n"
+        f"prmt.b32 sc, $5, 0, {selector};\n"
+        "shl.b32 sc, sc, 7;\n"
+        + _NIBBLES_PTX.format(sign_shift=12, magnitude_shift=6, out=even_out)
+        + _NIBBLES_PTX.format(sign_shift=8, magnitude_shift=2, out=odd_out)
+    )
+
+
+_E2M1_PTX = tl.constexpr(
+    "\n{\n.reg .b32 t, u, lo, hi, sc, bias;\nmov.b32 bias, 0x7E807E80;\n"
+    + _byte_pair_ptx("0x4140", "$0", "$2")  # bytes (b0, b1)
+    + _byte_pair_ptx("0x4342", "$1", "$3")  # bytes (b2, b3)
+    + "}\n"
 )
 
 
