@@ -1,24 +1,30 @@
 """The fused MXFP4 MoE: the plain-torch reference (CPU), the Triton path under the interpreter
 (small ragged shapes) and on the GPU (120b/20b shapes), all through compare.assert_close.
-
-Tolerance of the Triton path against the fp32 reference, bf16-level: the kernels differ from
-it only by (1) the SwiGLU output h rounded to bf16 before the down GEMM (the tensor cores take
-bf16), (2) fp32 summation order, and (3) the final bf16 rounding, which the reference also
-does. Under the interpreter (1)-(3) reproduce the kernel exactly: rms_rel ≈ 2.3e-3, max_rel
-≈ 2.5e-3 on random data, so max_rel 2e-2 / rms_rel 5e-3 leave a margin for K = 2880 on the GPU.
+The decode path (T ≤ DECODE_MAX_TOKENS) has its own file, test_moe_decode.py; the helpers
+both use, and the reasoning behind the tolerance, are in moe_cases.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
-import math
-import os
 
 import pytest
 import torch
-from compare import assert_close, poisoned
+from compare import assert_close
+from moe_cases import (
+    INTERPRETING,
+    MAX_REL,
+    RMS_REL,
+    check_against_reference,
+    clear_tokens,
+    compile_sm90,
+    fresh_seed,
+    interpreter,
+    random_weights,
+    random_x,
+    reference_routing,
+)
 
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
@@ -28,73 +34,11 @@ from gptoss_serve.kernels.moe import (
     moe,
     mxfp4_moe,
     mxfp4_moe_bytes,
-    mxfp4_moe_experts_reference,
     mxfp4_moe_flops,
     mxfp4_moe_reference,
-    route,
-    router_logits_reference,
 )
 from gptoss_serve.kernels.mxfp4 import dequantize_mxfp4
 from gptoss_serve.model.layers import MLP
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter = pytest.mark.skipif(
-    not INTERPRETING or importlib.util.find_spec("triton") is None,
-    reason="needs triton and TRITON_INTERPRET=1",
-)
-logger = logging.getLogger(__name__)
-MAX_REL, RMS_REL = 2e-2, 5e-3
-E2M1_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)
-
-
-def random_weights(
-    num_experts: int, hidden: int, inter: int, *, device: str = "cpu", seed: int = 0
-) -> MoeWeights:
-    """Random checkpoint-layout weights with checkpoint/synthetic.py's scales: gate/up
-    pre-activations with std ~4 (so the ±7 clamps bind), outputs with std ~1, every E2M1 code
-    and three exponents per tensor."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        values = torch.randn(shape, generator=generator, device=device) * std
-        return values.to(torch.bfloat16)
-
-    def packed(rows: int, fan_in: int, target_std: float) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (num_experts, rows, fan_in // 32)
-        u8 = {"generator": generator, "device": device, "dtype": torch.uint8}
-        blocks = torch.randint(0, 256, (*shape, 16), **u8)
-        base = 127 + round(math.log2(target_std / E2M1_RMS))
-        return blocks, torch.randint(base - 1, base + 2, shape, **u8)
-
-    gate_up = packed(2 * inter, hidden, 4.0 / math.sqrt(hidden))
-    down = packed(hidden, inter, 1.0 / (10.0 * math.sqrt(inter)))
-    return MoeWeights.from_checkpoint(
-        normal(num_experts, hidden, std=1.0 / math.sqrt(hidden)),
-        normal(num_experts, std=0.1),
-        *gate_up,
-        normal(num_experts, 2 * inter, std=0.5),
-        *down,
-        normal(num_experts, hidden, std=0.1),
-    )
-
-
-def random_x(num_tokens: int, hidden: int, *, device: str = "cpu", seed: int = 1) -> torch.Tensor:
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(num_tokens, hidden, generator=generator, device=device).bfloat16()
-
-
-def fresh_seed() -> int:
-    """A new seed every run (logged, so a failure can be replayed)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    logger.info("seed %d", seed)
-    return seed
-
-
-def reference_routing(x: torch.Tensor, weights: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert_ids, routing_weights) [T, 4] from fp32 logits: computed once, fed to both."""
-    routing_weights, expert_ids = route(router_logits_reference(x, weights), 4)
-    return expert_ids, routing_weights
-
 
 # -- CPU: the reference ----------------------------------------------------------------------
 
@@ -216,18 +160,6 @@ def check_dequant_bit_exact(device: str) -> None:
             assert torch.equal(actual.view(torch.int16), expected), f"ptx={ptx}"
 
 
-def clear_tokens(x: torch.Tensor, weights: MoeWeights) -> torch.Tensor:
-    """[T] bool: tokens whose 4th and 5th fp32 logits differ by more than 1e-4. On the others
-    either expert is right and fp32 summation order (~1e-7 here) decides."""
-    logits = router_logits_reference(x, weights)
-    if weights.num_experts <= 4:  # every expert is chosen
-        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
-    top5 = logits.topk(5).values
-    clear = (top5[:, 3] - top5[:, 4]) > 1e-4
-    assert int((~clear).sum()) <= max(1, x.shape[0] // 100)  # ~0.07% of random tokens
-    return clear
-
-
 def check_routing(x: torch.Tensor, weights: MoeWeights, tiles) -> None:
     """Top-4 ids equal torch.topk's on fp32 logits, weights agree, grouping is consistent."""
     from gptoss_serve.kernels._moe_triton import route_triton  # noqa: PLC0415
@@ -249,20 +181,6 @@ def check_routing(x: torch.Tensor, weights: MoeWeights, tiles) -> None:
     )
     assert torch.equal(sorted_experts[table[1]], table[0])  # each block starts in its expert
     assert bool((table[2] > table[1]).all())
-
-
-def check_against_reference(x: torch.Tensor, weights: MoeWeights, tiles=None) -> None:
-    """The GEMM half with the fp32 routing given, into a poisoned output and scratch."""
-    from gptoss_serve.kernels._moe_triton import moe_experts_triton  # noqa: PLC0415
-
-    expert_ids, routing_weights = reference_routing(x, weights)
-    out = poisoned(tuple(x.shape), torch.bfloat16, str(x.device))
-    actual = moe_experts_triton(
-        x, weights, expert_ids, routing_weights, tiles=tiles, out=out, poison=True
-    )
-    expected = mxfp4_moe_experts_reference(x, weights, expert_ids, routing_weights)
-    assert actual is out
-    assert_close(actual, expected, max_rel=MAX_REL, rms_rel=RMS_REL)
 
 
 # -- the Triton path under the interpreter (CPU tensors) ---------------------------------------
@@ -306,12 +224,6 @@ def test_interpreter_full_op() -> None:
 # -- the Triton path on the GPU, real shapes -----------------------------------------------------
 
 GPU_TOKENS = [1, 7, 64, 300, 2048]
-
-
-@pytest.fixture(scope="module", params=[128, 32], ids=["120b", "20b"])
-def gpu_weights(request: pytest.FixtureRequest) -> MoeWeights:
-    torch.backends.cuda.matmul.allow_tf32 = False  # the reference must be true fp32
-    return random_weights(request.param, 2880, 2880, device="cuda", seed=fresh_seed())
 
 
 @pytest.mark.gpu
@@ -378,129 +290,6 @@ def test_gpu_graph_capture_and_determinism(gpu_weights: MoeWeights, num_tokens: 
     assert torch.equal(captured, eager)
 
 
-# -- the decode path (T ≤ DECODE_MAX_TOKENS: router, GEMV gate_up, GEMV down + top-k sum) ------
-
-
-def check_decode_bit_exact(device: str, ptx_choices: tuple[bool, ...]) -> None:
-    """The GEMV decode of every code in both nibbles under 52 scales and the edges of its exact
-    range (64 ≤ s ≤ 190), plus random bytes, against the reference times 2^-62, in tile order."""
-    from gptoss_serve.kernels._moe_small import decode_debug  # noqa: PLC0415
-
-    codes = torch.arange(16, dtype=torch.uint8, device=device)
-    one_block = codes | ((15 - codes) << 4)
-    exponents = [*range(106, 158), 64, 65, 127, 189, 190]
-    blocks = one_block.expand(len(exponents), 16).contiguous()
-    scales = torch.tensor(exponents, dtype=torch.uint8, device=device)
-    random_blocks = torch.randint(0, 256, (77, 16), dtype=torch.uint8, device=device)
-    random_scales = torch.randint(100, 140, (77,), dtype=torch.uint8, device=device)
-    column = torch.arange(32, device=device)  # tile column 8q + 4m + 2p + h: element 8q+2m+p+4h
-    element = 8 * (column // 8) + 2 * (column // 4 % 2) + column // 2 % 2 + 4 * (column % 2)
-    for b, sc in [(blocks, scales), (random_blocks, random_scales)]:
-        values = dequantize_mxfp4(b[:, None, :], sc[:, None], torch.float32)[:, element]
-        expected = (values * 2.0**-62).to(torch.bfloat16).view(torch.int16)
-        for ptx in ptx_choices:
-            actual = decode_debug(b, sc, ptx=ptx)
-            assert torch.equal(actual.view(torch.int16), expected), f"ptx={ptx}"
-
-
-def check_decode_routing(x: torch.Tensor, weights: MoeWeights, tiles=None) -> None:
-    """The 3-launch path end to end: top-k ids and weights written by gate_up equal the fp32
-    reference's on clear tokens, and so does the output."""
-    from gptoss_serve.kernels._moe_small import mxfp4_moe_decode  # noqa: PLC0415
-
-    out = poisoned(tuple(x.shape), torch.bfloat16, str(x.device))
-    result = mxfp4_moe_decode(x, weights, tiles=tiles, out=out, poison=True)
-    expected_ids, expected_weights = reference_routing(x, weights)
-    clear = clear_tokens(x, weights)
-    assert result.out is out
-    assert torch.equal(result.expert_ids[clear].long(), expected_ids[clear])
-    assert_close(result.routing_weights[clear], expected_weights[clear], max_rel=1e-5, rms_rel=1e-5)
-    expected = mxfp4_moe_reference(x, weights)
-    assert_close(result.out[clear], expected[clear], max_rel=MAX_REL, rms_rel=RMS_REL)
-
-
-def _decode_variants() -> list:
-    """Launch shapes the tests cover: the table's entries, a K split of 4, tiles that do not
-    divide N (rows clamped), one warp per program, the portable decode, PDL, unrolled steps."""
-    if importlib.util.find_spec("triton") is None:
-        return []
-    from gptoss_serve.kernels._moe_small import DECODE_TILES, DecodeTiles  # noqa: PLC0415
-
-    return [tiles for _, tiles in DECODE_TILES] + [
-        DecodeTiles(
-            gate_up_rows=128,
-            gate_up_split=1,
-            gate_up_warps=4,
-            down_rows=64,
-            down_split=1,
-            down_warps=8,
-        ),
-        DecodeTiles(gate_up_rows=16, gate_up_split=4, gate_up_warps=1, down_rows=4, down_warps=1),
-        DecodeTiles(gate_up_rows=64, gate_up_split=1, router_experts=2, ptx=False),
-        DecodeTiles(pdl=True),
-        DecodeTiles(gate_up_stages=2, gate_up_unroll=4, down_stages=3, down_unroll=2),
-    ]
-
-
-@interpreter
-def test_interpreter_decode_bit_exact() -> None:
-    check_decode_bit_exact("cpu", (False,))
-
-
-@interpreter
-@pytest.mark.parametrize("variant", range(len(_decode_variants())))
-@pytest.mark.parametrize("num_tokens", [1, 3])
-def test_interpreter_decode_matches_reference(num_tokens: int, variant: int) -> None:
-    """H = 160 (5 groups: a partial step), 2I = 192; given routing, poisoned buffers."""
-    from gptoss_serve.kernels._moe_small import mxfp4_moe_decode  # noqa: PLC0415
-
-    weights = random_weights(8, 160, 96, seed=20 + num_tokens)
-    x = random_x(num_tokens, 160, seed=variant)
-    expert_ids, routing_weights = reference_routing(x, weights)
-    out = poisoned(tuple(x.shape), torch.bfloat16, "cpu")
-    mxfp4_moe_decode(
-        x, weights, tiles=_decode_variants()[variant], out=out, poison=True,
-        expert_ids=expert_ids, routing_weights=routing_weights,
-    )  # fmt: skip
-    expected = mxfp4_moe_experts_reference(x, weights, expert_ids, routing_weights)
-    assert_close(out, expected, max_rel=MAX_REL, rms_rel=RMS_REL)
-
-
-@interpreter
-def test_interpreter_decode_routing() -> None:
-    check_decode_routing(random_x(6, 96, seed=31), random_weights(8, 96, 64, seed=30))
-
-
-@pytest.mark.gpu
-def test_gpu_decode_bit_exact() -> None:
-    check_decode_bit_exact("cuda", (True, False))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, "max", "max+1"])
-def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> None:
-    """Through moe_experts_triton's dispatch, up to and just past the switch to the grouped
-    path (DECODE_MAX_TOKENS)."""
-    from gptoss_serve.kernels._moe_small import DECODE_MAX_TOKENS  # noqa: PLC0415
-
-    tokens = {"max": DECODE_MAX_TOKENS, "max+1": DECODE_MAX_TOKENS + 1}.get(num_tokens, num_tokens)
-    check_against_reference(random_x(tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 5, 16])
-def test_gpu_decode_routing(gpu_weights: MoeWeights, num_tokens: int) -> None:
-    check_decode_routing(random_x(num_tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", range(len(_decode_variants())))
-def test_gpu_decode_tile_variants(gpu_weights: MoeWeights, variant: int) -> None:
-    """Every covered launch shape, with the routing computed in-kernel (3 tokens)."""
-    x = random_x(3, 2880, device="cuda", seed=fresh_seed())
-    check_decode_routing(x, gpu_weights, _decode_variants()[variant])
-
-
 # -- the GEMMs compile for Hopper (Triton's own ptxas; no GPU needed) ----------------------------
 
 
@@ -510,31 +299,6 @@ def _all_regimes() -> list:
     from gptoss_serve.kernels._moe_triton import DECODE_TILES, PREFILL_TILES  # noqa: PLC0415
 
     return [tiles for _, tiles in DECODE_TILES + PREFILL_TILES]
-
-
-def compile_sm90(kernel, constexprs: dict, pointers: dict, options: dict) -> str:
-    """PTX of ``kernel`` compiled by Triton's own ptxas for sm_90 (no GPU needed), with 16-byte
-    aligned pointers and integer arguments (as at 120b shapes)."""
-    import triton  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
-
-    scalars = {"alpha": "fp32", "limit": "fp32"}
-    signature = {  # in argument order
-        name: "constexpr"
-        if name in constexprs
-        else pointers.get(name, "*i32")
-        if name.endswith("_ptr")
-        else scalars.get(name, "i32")
-        for name in kernel.arg_names
-    }
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(kernel.arg_names)
-        if signature[name] != "constexpr" and name not in scalars
-    }
-    source = ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 @pytest.mark.slow
@@ -558,42 +322,3 @@ def test_gemms_compile_for_sm90(tiles) -> None:
         assert "cp.async" in ptx  # the K loop is software-pipelined
         assert ("wgmma" in ptx) or ("mma.sync" in ptx)
         assert ".local" not in ptx  # no stack frame (register arrays indexed at run time)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
-@pytest.mark.parametrize("variant", range(len(_decode_variants())))
-def test_decode_kernels_compile_for_sm90(variant: int) -> None:
-    """The decode path's kernels at 120b shapes: weights and activations streamed by cp.async
-    into mma.sync, the decode's packed bf16 multiplies, no local memory; griddepcontrol and the
-    L2 prefetch with PDL."""
-    from gptoss_serve.kernels import _moe_decode  # noqa: PLC0415
-    from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
-
-    tiles = _decode_variants()[variant]
-    pointers = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16"}
-    pointers |= {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16"}
-    pointers |= {"logits_ptr": "*fp32", "routing_weights_ptr": "*fp32"}
-    pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8"}
-    common = dict(TOP_K=4, PTX=tiles.ptx, PDL=tiles.pdl, INTERPRET=False)
-    gate_up = dict(H=2880, N=5760, E=128, ROUTED=False, BN=tiles.gate_up_rows * tiles.gate_up_split)
-    gate_up |= dict(SPLIT=tiles.gate_up_split, NUM_STAGES=tiles.gate_up_stages)
-    down = dict(N=2880, K=2880, E=128, BR=tiles.down_rows, SPLIT=tiles.down_split)
-    down |= dict(NUM_STAGES=tiles.down_stages)
-    gate_up |= split_plan(2880, tiles.gate_up_split, tiles.gate_up_unroll) | common
-    down |= split_plan(2880, tiles.down_split, tiles.down_unroll) | common
-    for kernel, constexprs, warps, stages in [
-        (_moe_decode._gate_up_kernel, gate_up, tiles.gate_up_warps, tiles.gate_up_stages),
-        (_moe_decode._down_kernel, down, tiles.down_warps, tiles.down_stages),
-    ]:
-        ptx = compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
-        assert "cp.async" in ptx and "mma.sync" in ptx
-        assert ".local" not in ptx
-        assert ("mul.rn.bf16x2" in ptx) == tiles.ptx
-        assert ("griddepcontrol.wait" in ptx) == tiles.pdl
-    for num_tokens, block_k in [(1, 4096), (16, 256)]:
-        router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts)
-        router |= dict(BLOCK_K=tiles.router_block_k or block_k, PDL=tiles.pdl)
-        router |= dict(TOP_K=4, ROUTE=not tiles.pdl)  # both variants compile
-        ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
-        assert ".local" not in ptx

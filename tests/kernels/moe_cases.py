@@ -1,0 +1,136 @@
+"""Shared by test_moe.py (reference, grouped path) and test_moe_decode.py (decode path):
+random checkpoint-layout weights, the fp32 routing both paths are fed, the comparisons.
+
+Tolerance of the Triton path against the fp32 reference, bf16-level: the kernels differ from
+it only by (1) the SwiGLU output h rounded to bf16 before the down GEMM (the tensor cores take
+bf16), (2) fp32 summation order, and (3) the final bf16 rounding, which the reference also
+does. Under the interpreter (1)-(3) reproduce the kernel exactly: rms_rel ≈ 2.3e-3, max_rel
+≈ 2.5e-3 on random data, so max_rel 2e-2 / rms_rel 5e-3 leave a margin for K = 2880 on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+
+import pytest
+import torch
+from compare import assert_close, poisoned
+
+from gptoss_serve.kernels.moe import (
+    MoeWeights,
+    mxfp4_moe_experts_reference,
+    route,
+    router_logits_reference,
+)
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(
+    not INTERPRETING or importlib.util.find_spec("triton") is None,
+    reason="needs triton and TRITON_INTERPRET=1",
+)
+logger = logging.getLogger(__name__)
+MAX_REL, RMS_REL = 2e-2, 5e-3
+E2M1_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)
+
+
+def random_weights(
+    num_experts: int, hidden: int, inter: int, *, device: str = "cpu", seed: int = 0
+) -> MoeWeights:
+    """Random checkpoint-layout weights with checkpoint/synthetic.py's scales: gate/up
+    pre-activations with std ~4 (so the ±7 clamps bind), outputs with std ~1, every E2M1 code
+    and three exponents per tensor."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        values = torch.randn(shape, generator=generator, device=device) * std
+        return values.to(torch.bfloat16)
+
+    def packed(rows: int, fan_in: int, target_std: float) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_experts, rows, fan_in // 32)
+        u8 = {"generator": generator, "device": device, "dtype": torch.uint8}
+        blocks = torch.randint(0, 256, (*shape, 16), **u8)
+        base = 127 + round(math.log2(target_std / E2M1_RMS))
+        return blocks, torch.randint(base - 1, base + 2, shape, **u8)
+
+    gate_up = packed(2 * inter, hidden, 4.0 / math.sqrt(hidden))
+    down = packed(hidden, inter, 1.0 / (10.0 * math.sqrt(inter)))
+    return MoeWeights.from_checkpoint(
+        normal(num_experts, hidden, std=1.0 / math.sqrt(hidden)),
+        normal(num_experts, std=0.1),
+        *gate_up,
+        normal(num_experts, 2 * inter, std=0.5),
+        *down,
+        normal(num_experts, hidden, std=0.1),
+    )
+
+
+def random_x(num_tokens: int, hidden: int, *, device: str = "cpu", seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(num_tokens, hidden, generator=generator, device=device).bfloat16()
+
+
+def fresh_seed() -> int:
+    """A new seed every run (logged, so a failure can be replayed)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    logger.info("seed %d", seed)
+    return seed
+
+
+def reference_routing(x: torch.Tensor, weights: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert_ids, routing_weights) [T, 4] from fp32 logits: computed once, fed to both."""
+    routing_weights, expert_ids = route(router_logits_reference(x, weights), 4)
+    return expert_ids, routing_weights
+
+
+def clear_tokens(x: torch.Tensor, weights: MoeWeights) -> torch.Tensor:
+    """[T] bool: tokens whose 4th and 5th fp32 logits differ by more than 1e-4. On the others
+    either expert is right and fp32 summation order (~1e-7 here) decides."""
+    logits = router_logits_reference(x, weights)
+    if weights.num_experts <= 4:  # every expert is chosen
+        return torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    top5 = logits.topk(5).values
+    clear = (top5[:, 3] - top5[:, 4]) > 1e-4
+    assert int((~clear).sum()) <= max(1, x.shape[0] // 100)  # ~0.07% of random tokens
+    return clear
+
+
+def check_against_reference(x: torch.Tensor, weights: MoeWeights, tiles=None) -> None:
+    """The GEMM half with the fp32 routing given, into a poisoned output and scratch."""
+    from gptoss_serve.kernels._moe_triton import moe_experts_triton  # noqa: PLC0415
+
+    expert_ids, routing_weights = reference_routing(x, weights)
+    out = poisoned(tuple(x.shape), torch.bfloat16, str(x.device))
+    actual = moe_experts_triton(
+        x, weights, expert_ids, routing_weights, tiles=tiles, out=out, poison=True
+    )
+    expected = mxfp4_moe_experts_reference(x, weights, expert_ids, routing_weights)
+    assert actual is out
+    assert_close(actual, expected, max_rel=MAX_REL, rms_rel=RMS_REL)
+
+
+def compile_sm90(kernel, constexprs: dict, pointers: dict, options: dict) -> str:
+    """PTX of ``kernel`` compiled by Triton's own ptxas for sm_90 (no GPU needed), with 16-byte
+    aligned pointers and integer arguments (as at 120b shapes)."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    scalars = {"alpha": "fp32", "limit": "fp32"}
+    signature = {  # in argument order
+        name: "constexpr"
+        if name in constexprs
+        else pointers.get(name, "*i32")
+        if name.endswith("_ptr")
+        else scalars.get(name, "i32")
+        for name in kernel.arg_names
+    }
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if signature[name] != "constexpr" and name not in scalars
+    }
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]

@@ -1,0 +1,195 @@
+"""The decode path of the MXFP4 MoE (T ≤ DECODE_MAX_TOKENS, _moe_small.py / _moe_decode.py:
+router, GEMV gate_up, GEMV down + top-k sum): its in-register decode bit for bit, the launch
+shapes of its tile table and variants, the routing written by the router or by gate_up, under
+the interpreter (small ragged shapes) and on the GPU (120b/20b shapes). Tolerances: moe_cases.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from compare import assert_close, poisoned
+from moe_cases import (
+    INTERPRETING,
+    MAX_REL,
+    RMS_REL,
+    check_against_reference,
+    clear_tokens,
+    compile_sm90,
+    fresh_seed,
+    interpreter,
+    random_weights,
+    random_x,
+    reference_routing,
+)
+
+from gptoss_serve.kernels.moe import (
+    MoeWeights,
+    mxfp4_moe_experts_reference,
+    mxfp4_moe_reference,
+)
+from gptoss_serve.kernels.mxfp4 import dequantize_mxfp4
+
+
+def check_decode_bit_exact(device: str, ptx_choices: tuple[bool, ...]) -> None:
+    """The GEMV decode of every code in both nibbles under 52 scales and the edges of its exact
+    range (64 ≤ s ≤ 190), plus random bytes, against the reference times 2^-62, in tile order."""
+    from gptoss_serve.kernels._moe_small import decode_debug  # noqa: PLC0415
+
+    codes = torch.arange(16, dtype=torch.uint8, device=device)
+    one_block = codes | ((15 - codes) << 4)
+    exponents = [*range(106, 158), 64, 65, 127, 189, 190]
+    blocks = one_block.expand(len(exponents), 16).contiguous()
+    scales = torch.tensor(exponents, dtype=torch.uint8, device=device)
+    random_blocks = torch.randint(0, 256, (77, 16), dtype=torch.uint8, device=device)
+    random_scales = torch.randint(100, 140, (77,), dtype=torch.uint8, device=device)
+    column = torch.arange(32, device=device)  # tile column 8q + 4m + 2p + h: element 8q+2m+p+4h
+    element = 8 * (column // 8) + 2 * (column // 4 % 2) + column // 2 % 2 + 4 * (column % 2)
+    for b, sc in [(blocks, scales), (random_blocks, random_scales)]:
+        values = dequantize_mxfp4(b[:, None, :], sc[:, None], torch.float32)[:, element]
+        expected = (values * 2.0**-62).to(torch.bfloat16).view(torch.int16)
+        for ptx in ptx_choices:
+            actual = decode_debug(b, sc, ptx=ptx)
+            assert torch.equal(actual.view(torch.int16), expected), f"ptx={ptx}"
+
+
+def check_decode_routing(x: torch.Tensor, weights: MoeWeights, tiles=None) -> None:
+    """The 3-launch path end to end: top-k ids and weights written by gate_up equal the fp32
+    reference's on clear tokens, and so does the output."""
+    from gptoss_serve.kernels._moe_small import mxfp4_moe_decode  # noqa: PLC0415
+
+    out = poisoned(tuple(x.shape), torch.bfloat16, str(x.device))
+    result = mxfp4_moe_decode(x, weights, tiles=tiles, out=out, poison=True)
+    expected_ids, expected_weights = reference_routing(x, weights)
+    clear = clear_tokens(x, weights)
+    assert result.out is out
+    assert torch.equal(result.expert_ids[clear].long(), expected_ids[clear])
+    assert_close(result.routing_weights[clear], expected_weights[clear], max_rel=1e-5, rms_rel=1e-5)
+    expected = mxfp4_moe_reference(x, weights)
+    assert_close(result.out[clear], expected[clear], max_rel=MAX_REL, rms_rel=RMS_REL)
+
+
+def _decode_variants() -> list:
+    """Launch shapes the tests cover: the table's entries, a K split of 4, tiles that do not
+    divide N (rows clamped), one warp per program, the portable decode, PDL, unrolled steps."""
+    if importlib.util.find_spec("triton") is None:
+        return []
+    from gptoss_serve.kernels._moe_small import DECODE_TILES, DecodeTiles  # noqa: PLC0415
+
+    return [tiles for _, tiles in DECODE_TILES] + [
+        DecodeTiles(
+            gate_up_rows=128,
+            gate_up_split=1,
+            gate_up_warps=4,
+            down_rows=64,
+            down_split=1,
+            down_warps=8,
+        ),
+        DecodeTiles(gate_up_rows=16, gate_up_split=4, gate_up_warps=1, down_rows=4, down_warps=1),
+        DecodeTiles(gate_up_rows=64, gate_up_split=1, router_experts=2, ptx=False),
+        DecodeTiles(pdl=True),
+        DecodeTiles(gate_up_stages=2, gate_up_unroll=4, down_stages=3, down_unroll=2),
+    ]
+
+
+@interpreter
+def test_interpreter_decode_bit_exact() -> None:
+    check_decode_bit_exact("cpu", (False,))
+
+
+@interpreter
+@pytest.mark.parametrize("variant", range(len(_decode_variants())))
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_interpreter_decode_matches_reference(num_tokens: int, variant: int) -> None:
+    """H = 160 (5 groups: a partial step), 2I = 192; given routing, poisoned buffers."""
+    from gptoss_serve.kernels._moe_small import mxfp4_moe_decode  # noqa: PLC0415
+
+    weights = random_weights(8, 160, 96, seed=20 + num_tokens)
+    x = random_x(num_tokens, 160, seed=variant)
+    expert_ids, routing_weights = reference_routing(x, weights)
+    out = poisoned(tuple(x.shape), torch.bfloat16, "cpu")
+    mxfp4_moe_decode(
+        x, weights, tiles=_decode_variants()[variant], out=out, poison=True,
+        expert_ids=expert_ids, routing_weights=routing_weights,
+    )  # fmt: skip
+    expected = mxfp4_moe_experts_reference(x, weights, expert_ids, routing_weights)
+    assert_close(out, expected, max_rel=MAX_REL, rms_rel=RMS_REL)
+
+
+@interpreter
+def test_interpreter_decode_routing() -> None:
+    check_decode_routing(random_x(6, 96, seed=31), random_weights(8, 96, 64, seed=30))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_bit_exact() -> None:
+    check_decode_bit_exact("cuda", (True, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, "max", "max+1"])
+def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> None:
+    """Through moe_experts_triton's dispatch, up to and just past the switch to the grouped
+    path (DECODE_MAX_TOKENS)."""
+    from gptoss_serve.kernels._moe_small import DECODE_MAX_TOKENS  # noqa: PLC0415
+
+    tokens = {"max": DECODE_MAX_TOKENS, "max+1": DECODE_MAX_TOKENS + 1}.get(num_tokens, num_tokens)
+    check_against_reference(random_x(tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 5, 16])
+def test_gpu_decode_routing(gpu_weights: MoeWeights, num_tokens: int) -> None:
+    check_decode_routing(random_x(num_tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", range(len(_decode_variants())))
+def test_gpu_decode_tile_variants(gpu_weights: MoeWeights, variant: int) -> None:
+    """Every covered launch shape, with the routing computed in-kernel (3 tokens)."""
+    x = random_x(3, 2880, device="cuda", seed=fresh_seed())
+    check_decode_routing(x, gpu_weights, _decode_variants()[variant])
+
+
+# -- the decode kernels compile for Hopper (Triton's own ptxas; no GPU needed) -----------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
+@pytest.mark.parametrize("variant", range(len(_decode_variants())))
+def test_decode_kernels_compile_for_sm90(variant: int) -> None:
+    """The decode path's kernels at 120b shapes: weights and activations streamed by cp.async
+    into mma.sync, the decode's packed bf16 multiplies, no local memory; griddepcontrol and the
+    L2 prefetch with PDL."""
+    from gptoss_serve.kernels import _moe_decode  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
+
+    tiles = _decode_variants()[variant]
+    pointers = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16"}
+    pointers |= {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16"}
+    pointers |= {"logits_ptr": "*fp32", "routing_weights_ptr": "*fp32"}
+    pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8"}
+    common = dict(TOP_K=4, PTX=tiles.ptx, PDL=tiles.pdl, INTERPRET=False)
+    gate_up = dict(H=2880, N=5760, E=128, ROUTED=False, BN=tiles.gate_up_rows * tiles.gate_up_split)
+    gate_up |= dict(SPLIT=tiles.gate_up_split, NUM_STAGES=tiles.gate_up_stages)
+    down = dict(N=2880, K=2880, E=128, BR=tiles.down_rows, SPLIT=tiles.down_split)
+    down |= dict(NUM_STAGES=tiles.down_stages)
+    gate_up |= split_plan(2880, tiles.gate_up_split, tiles.gate_up_unroll) | common
+    down |= split_plan(2880, tiles.down_split, tiles.down_unroll) | common
+    for kernel, constexprs, warps, stages in [
+        (_moe_decode._gate_up_kernel, gate_up, tiles.gate_up_warps, tiles.gate_up_stages),
+        (_moe_decode._down_kernel, down, tiles.down_warps, tiles.down_stages),
+    ]:
+        ptx = compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
+        assert "cp.async" in ptx and "mma.sync" in ptx
+        assert ".local" not in ptx
+        assert ("mul.rn.bf16x2" in ptx) == tiles.ptx
+        assert ("griddepcontrol.wait" in ptx) == tiles.pdl
+    for num_tokens, block_k in [(1, 4096), (16, 256)]:
+        router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts)
+        router |= dict(BLOCK_K=tiles.router_block_k or block_k, PDL=tiles.pdl)
+        router |= dict(TOP_K=4, ROUTE=not tiles.pdl)  # both variants compile
+        ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
+        assert ".local" not in ptx
