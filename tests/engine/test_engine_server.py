@@ -107,3 +107,19 @@ def test_a_repeated_prompt_reports_its_cached_tokens(engine_and_client) -> None:
     assert first.usage.input_tokens_details.cached_tokens < second.usage.input_tokens - 16
     cached = second.usage.input_tokens_details.cached_tokens
     assert cached == (second.usage.input_tokens - 1) // 16 * 16 > 0
+
+
+def test_a_prompt_longer_than_the_kv_cache_is_a_400(demo_dir: Path) -> None:
+    weights = load_weights(demo_dir, device="cpu", dtype=torch.float32, progress=False)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
+        kv_cache_tokens=64, reference_ops=True, use_cuda_graphs=False,
+    )  # fmt: skip
+    engine = build_async_engine(weights, "demo", config)
+    assert engine.info.max_context_tokens == 64
+    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
+    with running_server(app) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="demo", input="word " * 200)
+        assert caught.value.code == "context_length_exceeded"

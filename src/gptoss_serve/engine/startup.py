@@ -82,10 +82,12 @@ def build_engine(
 
 
 def build_async_engine(weights: ModelWeights, model_name: str, config: EngineConfig) -> AsyncEngine:
-    make_core, runner, _ = build_engine(weights, config)
+    make_core, runner, plan = build_engine(weights, config)
     info = EngineInfo(
         model_name=model_name,
-        max_context_tokens=runner.batch.max_model_len,
+        # A request's prompt + output must fit the KV cache too: the server then answers a
+        # longer prompt with a 400 (context_length_exceeded), not a failed response.
+        max_context_tokens=min(runner.batch.max_model_len, plan.max_num_tokens),
         vocab_size=weights.config.vocab_size,
         created_at=int(time.time()),
     )
