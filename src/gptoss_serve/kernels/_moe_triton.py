@@ -72,6 +72,10 @@ DECODE_TILES: tuple[tuple[int, MoeTiles], ...] = (
 # 45 steps of 64, so no K masking.
 _PREFILL = (GemmTiles(128, 64, 4, 4), GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 2))
 PREFILL_TILES: tuple[tuple[float, MoeTiles], ...] = (
+    # Up to 8 rows per expert (256 tokens: large decode batches), 16-row blocks with the
+    # decode shapes: 1.10x the 64-row tiles at 96-256 tokens, 0.81x at 512
+    # (bench/moe_mid_sweep.py on the H200; every expert's weights are decoded once either way).
+    (8, MoeTiles(16, _WIDE, _NARROW, small_routing=False)),
     (48, MoeTiles(64, _PREFILL[0], _PREFILL[0], small_routing=False)),
     (112, MoeTiles(128, _PREFILL[1], _PREFILL[1], small_routing=False)),
     (math.inf, MoeTiles(256, _PREFILL[2], _PREFILL[2], small_routing=False)),
