@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import threading
 from collections import deque
@@ -20,26 +19,16 @@ from dataclasses import dataclass
 from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.engine.engine import EngineCore
+from gptoss_serve.engine.token_stream import DONE, TokenStream
 
 logger = logging.getLogger(__name__)
 
-_DONE = object()  # end-of-stream marker on a request's queue
 _MAX_REMEMBERED = 4096
 
 
 @dataclass
-class _Stream:
-    request_id: str
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    is_done: bool = False
-    num_cached_tokens: int = 0  # set by the worker from the first output, read after _DONE
-
-    def post(self, item: object) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+class _Stream(TokenStream):
+    num_cached_tokens: int = 0  # set by the worker from the first output, read after DONE
 
 
 class AsyncEngine:
@@ -62,19 +51,15 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[int]:
-        stream = _Stream(
-            request_id, list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue()
-        )
+        stream = _Stream.open(request_id, prompt_ids, params)
         with self._condition:
             if self._is_stopped:
                 raise EngineError("the engine is shut down")
             self._pending.append(stream)
             self._condition.notify()
         try:
-            while (item := await stream.queue.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            async for token in stream.tokens():
+                yield token
             self._cached[request_id] = stream.num_cached_tokens
             while len(self._cached) > _MAX_REMEMBERED:  # callers that never asked
                 self._cached.popitem(last=False)
@@ -143,7 +128,7 @@ class AsyncEngine:
             for token in output.new_token_ids:
                 stream.post(token)
             if output.finish_reason is not None:
-                self._finish(self._streams.pop(output.request_id), _DONE)
+                self._finish(self._streams.pop(output.request_id), DONE)
         for request_id, reason in result.failed.items():
             stream = self._streams.pop(request_id, None)
             if stream is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -24,29 +23,18 @@ from dataclasses import dataclass
 from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.engine.constrained import GrammarConstraint
+from gptoss_serve.engine.token_stream import DONE, TokenStream
 from gptoss_serve.model.generate import Generation
 from gptoss_serve.model.transformer import GptOssForCausalLM
 
 logger = logging.getLogger(__name__)
 
-_DONE = object()  # end-of-stream marker on a request's queue
-
 
 @dataclass
-class _Job:
-    request_id: str
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class _Job(TokenStream):
     generation: Generation | None = None
     constraint: GrammarConstraint | None = None
     is_cancelled: bool = False
-    is_done: bool = False
-
-    def post(self, item: object) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class CpuEngine:
@@ -74,19 +62,15 @@ class CpuEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[int]:
-        job = _Job(
-            request_id, list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue()
-        )
+        job = _Job.open(request_id, prompt_ids, params)
         with self._condition:
             if self._is_stopped:
                 raise EngineError("the engine is shut down")
             self._pending.append(job)
             self._condition.notify()
         try:
-            while (item := await job.queue.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise EngineError(f"generation failed: {item}") from item
-                yield item
+            async for token in job.tokens():
+                yield token
         finally:
             if not job.is_done:  # the consumer went away (client disconnect): abort
                 job.is_cancelled = True
@@ -116,7 +100,7 @@ class CpuEngine:
             for job in list(self._active):
                 self._step(job)
         for job in [*self._active, *self._pending]:
-            job.post(EngineError("the engine shut down"))
+            job.post(EngineError("generation failed: the engine shut down"))
         self._mask_pool.shutdown(wait=True)
 
     def _step(self, job: _Job) -> None:
@@ -136,7 +120,7 @@ class CpuEngine:
         if token is not None:
             job.post(token)
         if token is None or job.generation.is_finished:
-            self._finish(job, _DONE)
+            self._finish(job, DONE)
 
     def _finish(self, job: _Job, item: object) -> None:
         if job.constraint is not None:

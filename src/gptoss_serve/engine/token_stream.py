@@ -1,0 +1,48 @@
+"""One request's token stream between an engine's worker thread and the event loop.
+
+The worker posts token ids, then ``DONE`` or an exception, with ``call_soon_threadsafe``; the
+event loop reads them with ``tokens()``. Both engines (cpu_engine.py, async_engine.py) use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from gptoss_serve.config import SamplingParams
+from gptoss_serve.engine.client import EngineError
+
+DONE = object()  # end-of-stream marker on a request's queue
+
+
+@dataclass
+class TokenStream:
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    is_done: bool = False  # the worker posted its last item
+
+    @classmethod
+    def open(cls, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, **fields):
+        """A stream for the running event loop (call from it)."""
+        return cls(request_id, list(prompt_ids), params, asyncio.get_running_loop(),
+                   asyncio.Queue(), **fields)  # fmt: skip
+
+    def post(self, item: object) -> None:
+        """From the worker thread: a token id, DONE, or an exception that ends the stream."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def tokens(self) -> AsyncIterator[int]:
+        """The posted token ids until DONE. An EngineError posted is raised as it is; any
+        other exception as EngineError("generation failed: ...")."""
+        while (item := await self.queue.get()) is not DONE:
+            if isinstance(item, EngineError):
+                raise item
+            if isinstance(item, BaseException):
+                raise EngineError(f"generation failed: {item}") from item
+            yield item
