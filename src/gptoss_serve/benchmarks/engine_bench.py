@@ -18,6 +18,8 @@ import torch
 
 from gptoss_serve.config import ModelConfig, SamplingParams
 from gptoss_serve.engine.engine import EngineCore
+from gptoss_serve.engine.kv_sizing import KvCacheSpec
+from gptoss_serve.kernels.moe import expert_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +44,16 @@ class Figure:
 def decode_ceiling_tok_s(config: ModelConfig, batch: int, context: int) -> float:
     """Tokens/s if one decode step only read its bytes at the copy rate: every non-expert
     weight, the distinct experts ``batch`` tokens touch per layer, and each sequence's KV."""
-    h, i, e, k = (config.hidden_size, config.intermediate_size, config.num_local_experts,
-                  config.num_experts_per_tok)  # fmt: skip
+    h, e, k = config.hidden_size, config.num_local_experts, config.num_experts_per_tok
     attention = (h * (config.q_dim + 2 * config.kv_dim) + config.q_dim * h) * 2
     router = e * h * 2
-    expert = 2 * i * (h // 2 + h // 32 + 2) + h * (i // 2 + i // 32 + 2)
+    expert = expert_bytes(h, config.intermediate_size)
     distinct = e * (1 - (1 - k / e) ** batch)
-    layers = config.num_hidden_layers
-    weights = layers * (attention + router + distinct * expert) + config.vocab_size * h * 2
-    token_bytes = 2 * config.num_key_value_heads * config.head_dim * 2
-    sliding = sum(config.is_sliding(j) for j in range(layers))
-    kv = token_bytes * (
-        (layers - sliding) * context + sliding * min(context, config.sliding_window)
+    weights = config.num_hidden_layers * (attention + router + distinct * expert)
+    weights += config.vocab_size * h * 2
+    spec = KvCacheSpec.from_model_config(config)
+    kv = spec.layer_token_bytes * (
+        spec.num_full_layers * context + spec.num_sliding_layers * min(context, spec.sliding_window)
     )
     return batch * COPY_BYTES_PER_S / (weights + batch * kv)
 

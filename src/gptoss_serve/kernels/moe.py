@@ -140,10 +140,15 @@ class MoeWeights:
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's blocks + scales + biases (what the kernels read per expert)."""
-        h, i = self.hidden_size, self.intermediate_size
-        gate_up = 2 * i * (h // 2 + h // 32 + 2)
-        down = h * (i // 2 + i // 32 + 2)
-        return gate_up + down
+        return expert_bytes(self.hidden_size, self.intermediate_size)
+
+
+def expert_bytes(hidden_size: int, intermediate_size: int) -> int:
+    """One expert's MXFP4 blocks + E8M0 scales + bf16 biases: gate_up [2I, H], down [H, I]."""
+    h, i = hidden_size, intermediate_size
+    gate_up = 2 * i * (h // 2 + h // 32 + 2)
+    down = h * (i // 2 + i // 32 + 2)
+    return gate_up + down
 
 
 def mxfp4_moe(
