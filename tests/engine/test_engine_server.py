@@ -6,6 +6,8 @@ batched in the same steps, and a client that goes away mid-stream.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,18 +27,30 @@ from server_helpers import running_server
 NUM_PARALLEL = 6
 
 
-@pytest.fixture(scope="module")
-def engine_and_client(demo_dir: Path) -> Iterator[tuple[object, openai.OpenAI]]:
-    weights = load_weights(demo_dir, device="cpu", dtype=torch.float32, progress=False)
+@functools.cache
+def _weights(demo_dir: Path):
+    return load_weights(demo_dir, device="cpu", dtype=torch.float32, progress=False)
+
+
+@contextlib.contextmanager
+def _served(demo_dir: Path, **scheduler: int) -> Iterator[tuple[object, openai.OpenAI]]:
+    """The batched engine on the demo model (reference ops) behind a real server."""
+    kv_cache_tokens = scheduler.pop("kv_cache_tokens")
     config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
-        kv_cache_tokens=32768, reference_ops=True, use_cuda_graphs=False,
+        scheduler=SchedulerConfig(**scheduler), kv_cache_tokens=kv_cache_tokens,
+        reference_ops=True, use_cuda_graphs=False,
     )  # fmt: skip
-    engine = build_async_engine(weights, "demo", config)
+    engine = build_async_engine(_weights(demo_dir), "demo", config)
     app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
     with running_server(app) as base_url:
-        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
-        yield engine, client
+        yield engine, openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine_and_client(demo_dir: Path) -> Iterator[tuple[object, openai.OpenAI]]:
+    with _served(demo_dir, max_num_seqs=8, max_num_batched_tokens=512,
+                 kv_cache_tokens=32768) as served:  # fmt: skip
+        yield served
 
 
 def _run_all(client: openai.OpenAI, requests: list[dict]) -> list:
@@ -110,16 +124,9 @@ def test_a_repeated_prompt_reports_its_cached_tokens(engine_and_client) -> None:
 
 
 def test_a_prompt_longer_than_the_kv_cache_is_a_400(demo_dir: Path) -> None:
-    weights = load_weights(demo_dir, device="cpu", dtype=torch.float32, progress=False)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256),
-        kv_cache_tokens=64, reference_ops=True, use_cuda_graphs=False,
-    )  # fmt: skip
-    engine = build_async_engine(weights, "demo", config)
-    assert engine.info.max_context_tokens == 64
-    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
-    with running_server(app) as base_url:
-        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    with _served(demo_dir, max_num_seqs=2, max_num_batched_tokens=256,
+                 kv_cache_tokens=64) as (engine, client):  # fmt: skip
+        assert engine.info.max_context_tokens == 64
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model="demo", input="word " * 200)
         assert caught.value.code == "context_length_exceeded"
