@@ -29,11 +29,3 @@ class AttentionMetadata:
     prefill_block_tables: tuple[torch.Tensor, ...]
     prefill_seq_lens: torch.Tensor
     prefill_query_start_loc: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.positions.shape[0]
-
-    @property
-    def num_prefills(self) -> int:
-        return self.prefill_seq_lens.shape[0]

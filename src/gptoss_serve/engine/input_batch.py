@@ -27,7 +27,6 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: the rows whose next token is sampled
     sampled_request_ids: tuple[str, ...]  # the request of each logits row
-    num_scheduled_tokens: int  # T before padding
 
 
 class _Buffer:
@@ -127,7 +126,6 @@ class InputBatch:
             metadata=metadata,
             logits_indices=self.rows.view("logits_indices", len(sampled)),
             sampled_request_ids=tuple(scheduled[i].request_id for i in sampled),
-            num_scheduled_tokens=num_tokens,
         )
         if self._uploaded is not None:
             self._uploaded.record()

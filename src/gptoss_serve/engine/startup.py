@@ -145,23 +145,7 @@ def profile_step_memory(weights: ModelWeights, scheduler: SchedulerConfig, ops: 
         device=device,
         dtype=weights.dtype,
     )
-    table = tuple(range(num_blocks))
-    entry = ScheduledRequest(
-        request_id="profile",
-        token_ids=(0,) * num_tokens,
-        num_computed_tokens=0,
-        block_ids=(table, table),
-        new_block_ids=(table, table),
-        is_new=True,
-        is_sampled=True,
-    )
-    output = SchedulerOutput(
-        step=-1,
-        scheduled=(entry,),
-        num_decodes=0,
-        preempted_request_ids=(),
-        finished_request_ids=(),
-    )
+    output = _dummy_step([], num_tokens)
     batch = InputBatch(
         max_num_tokens=num_tokens,
         max_num_seqs=scheduler.max_num_seqs,
