@@ -84,17 +84,21 @@ class Scenario:
         self.core.add_request(request_id, prompt, params)
         self.num_tokens[request_id] = 0
 
+    def step(self) -> None:
+        """One engine step, recording each request's first-token time and token count."""
+        result = self.core.step()
+        now = time.perf_counter()
+        if result.failed:
+            raise RuntimeError(f"requests failed in the benchmark: {result.failed}")
+        for output in result.outputs:
+            self.first_token_at.setdefault(output.request_id, now)
+            self.num_tokens[output.request_id] += len(output.new_token_ids)
+
     def run(self) -> float:
         """Steps until every request finished; returns the wall time."""
         started = time.perf_counter()
         while self.core.has_unfinished_requests:
-            result = self.core.step()
-            now = time.perf_counter()
-            if result.failed:
-                raise RuntimeError(f"requests failed in the benchmark: {result.failed}")
-            for output in result.outputs:
-                self.first_token_at.setdefault(output.request_id, now)
-                self.num_tokens[output.request_id] += len(output.new_token_ids)
+            self.step()
         elapsed = time.perf_counter() - started
         self.core.close()
         return elapsed
@@ -110,11 +114,8 @@ def decode_tok_s(
         scenario.add(f"decode-{index}", context, num_tokens)
     started = time.perf_counter()
     # Run the prefills (and the first tokens) first, then time the decode steps alone.
-    core = scenario.core
     while len(scenario.first_token_at) < batch:
-        for output in core.step().outputs:
-            scenario.first_token_at.setdefault(output.request_id, time.perf_counter())
-            scenario.num_tokens[output.request_id] += 1
+        scenario.step()
     decode_start = time.perf_counter()
     already = sum(scenario.num_tokens.values())
     scenario.run()
