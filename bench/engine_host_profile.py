@@ -13,8 +13,6 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from gptoss_serve.config import EngineConfig, SamplingParams, SchedulerConfig
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.synthetic_weights import synthetic_model_config, synthetic_weights
@@ -37,12 +35,7 @@ def profile(make_core, batch: int, context: int, steps: int) -> dict[str, float]
         logits, inputs = core.runner.forward(output)
         t2 = time.perf_counter()
         sampling = core._sampling_batch(inputs.sampled_request_ids)
-        device_tokens = core.runner.ops.sample_tokens(
-            logits, *(torch.tensor(v, dtype=d).to(core.runner.device, non_blocking=True)
-                      for v, d in ((sampling.temperature, torch.float32),
-                                   (sampling.top_p, torch.float32),
-                                   (sampling.seeds, torch.int64), (sampling.steps, torch.int64)))
-        )  # fmt: skip
+        device_tokens = core.runner.launch_sampling(logits, sampling, None)
         t3 = time.perf_counter()
         tokens = device_tokens.tolist()
         t4 = time.perf_counter()

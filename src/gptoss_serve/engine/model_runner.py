@@ -98,9 +98,16 @@ class ModelRunner:
     def sample(
         self, logits: torch.Tensor, sampling: SamplingBatch, bitmask: torch.Tensor | None
     ) -> list[int]:
-        """Draw one token per row (masked by ``bitmask`` [S, words] int32 if given)."""
+        """Draw one token per row (masked by ``bitmask`` [S, words] int32 if given): the
+        step's one host sync."""
         if not sampling.seeds:
             return []
+        return self.launch_sampling(logits, sampling, bitmask).tolist()
+
+    def launch_sampling(
+        self, logits: torch.Tensor, sampling: SamplingBatch, bitmask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``sample`` without reading the tokens back: int64 [S] on the device."""
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask.to(self.device, non_blocking=True))
         device = self.device
@@ -108,11 +115,10 @@ class ModelRunner:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        tokens = self.ops.sample_tokens(
+        return self.ops.sample_tokens(
             logits,
             tensor(sampling.temperature, torch.float32),
             tensor(sampling.top_p, torch.float32),
             tensor(sampling.seeds, torch.int64),
             tensor(sampling.steps, torch.int64),
         )
-        return tokens.tolist()
