@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import run_greedy
 
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
 from gptoss_serve.config import EngineConfig, SamplingParams, SchedulerConfig
-from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.weights import load_weights
 from gptoss_serve.model import load_model
@@ -46,33 +46,9 @@ def _engine(model_dir: Path, dtype: torch.dtype, graphs: bool):
     return build_engine(weights, config)
 
 
-def _run(core: EngineCore, prompts: dict[str, list[int]], max_tokens: int, runner=None):
-    """Greedy tokens per request, and each request's sampled logits rows."""
-    rows: dict[str, list[torch.Tensor]] = {}
-    if runner is not None:
-        original = runner.forward
-
-        def forward(output):
-            logits, inputs = original(output)
-            for row, request_id in enumerate(inputs.sampled_request_ids):
-                rows.setdefault(request_id, []).append(logits[row].float().cpu())
-            return logits, inputs
-
-        runner.forward = forward
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    for request_id, prompt in prompts.items():
-        core.add_request(request_id, prompt, greedy)
-    tokens: dict[str, list[int]] = {r: [] for r in prompts}
-    try:
-        while core.has_unfinished_requests:
-            result = core.step()
-            assert not result.failed
-            for output in result.outputs:
-                tokens[output.request_id].extend(output.new_token_ids)
-    finally:
-        if runner is not None:
-            runner.forward = original
-    return tokens, rows
+def _greedy(core, prompts, max_tokens, runner) -> tuple[dict, dict]:
+    run = run_greedy(core, prompts, max_tokens, runner)
+    return run.tokens, run.rows
 
 
 def _prompts(vocab: int, count: int, length: int) -> dict[str, list[int]]:
@@ -98,7 +74,7 @@ def test_bf16_engine_with_graphs_matches_the_plain_model(unambiguous_dir: Path) 
     assert runner.graphs is not None
     model = load_model(unambiguous_dir, device="cuda", dtype=torch.bfloat16)
     prompts = _prompts(model.config.vocab_size, 6, 150)  # windows crossed; 150 > budget/6
-    tokens, rows = _run(make_core(), prompts, 24, runner)
+    tokens, rows = _greedy(make_core(), prompts, 24, runner)
     _check_bf16(model, prompts, tokens, rows)
 
 
@@ -106,7 +82,7 @@ def test_fp32_verification_mode_on_cuda_matches_the_plain_model(unambiguous_dir:
     make_core, runner, _ = _engine(unambiguous_dir, torch.float32, False)
     model = load_model(unambiguous_dir, device="cuda", dtype=torch.float32)
     prompts = _prompts(model.config.vocab_size, 3, 200)
-    tokens, rows = _run(make_core(), prompts, 8, runner)
+    tokens, rows = _greedy(make_core(), prompts, 8, runner)
     for request_id, prompt in prompts.items():
         ids = torch.tensor(prompt + tokens[request_id][:-1], device="cuda")
         expected = model(ids, model.new_cache())[len(prompt) - 1 :].cpu()
@@ -121,12 +97,12 @@ def test_busy_batch_alone_and_prefix_hits_all_match_the_model(unambiguous_dir: P
     make_core, runner, _ = _engine(unambiguous_dir, torch.bfloat16, True)
     model = load_model(unambiguous_dir, device="cuda", dtype=torch.bfloat16)
     prompts = _prompts(model.config.vocab_size, 12, 90)
-    _check_bf16(model, prompts, *_run(make_core(), prompts, 16, runner))
+    _check_bf16(model, prompts, *_greedy(make_core(), prompts, 16, runner))
     core = make_core()
     for request_id, prompt in prompts.items():
         one = {request_id: prompt}
-        _check_bf16(model, one, *_run(core, one, 16, runner))
-        _check_bf16(model, one, *_run(core, one, 16, runner))  # a prefix-cache hit
+        _check_bf16(model, one, *_greedy(core, one, 16, runner))
+        _check_bf16(model, one, *_greedy(core, one, 16, runner))  # a prefix-cache hit
     assert core.scheduler.stats().num_prefix_hit_tokens >= 12 * 80
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import run_greedy
 from transformers import GptOssForCausalLM, Mxfp4Config
 
 from gptoss_serve.config import EngineConfig, SamplingParams, SchedulerConfig
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.client import EngineError, EngineInfo
-from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.weights import load_weights
 
@@ -50,35 +50,6 @@ def _make_core(model_dir: Path, *, budget: int = 64, kv_tokens: int = 4096, max_
     return make_core, runner
 
 
-class Recorder:
-    """Wraps the runner's forward: keeps each request's sampled logits rows, in order."""
-
-    def __init__(self, runner) -> None:
-        self.rows: dict[str, list[torch.Tensor]] = {}
-        original = runner.forward
-
-        def forward(output):
-            logits, inputs = original(output)
-            for row, request_id in enumerate(inputs.sampled_request_ids):
-                self.rows.setdefault(request_id, []).append(logits[row].clone())
-            return logits, inputs
-
-        runner.forward = forward
-
-
-def _run(core: EngineCore, requests: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    for request_id, prompt in requests.items():
-        core.add_request(request_id, prompt, greedy)
-    tokens: dict[str, list[int]] = {r: [] for r in requests}
-    while core.has_unfinished_requests:
-        result = core.step()
-        assert not result.failed
-        for output in result.outputs:
-            tokens[output.request_id].extend(output.new_token_ids)
-    return tokens
-
-
 def _prompt(vocab: int, length: int, seed: int) -> list[int]:
     return torch.randint(
         0, vocab, (length,), generator=torch.Generator().manual_seed(seed)
@@ -89,16 +60,16 @@ def _prompt(vocab: int, length: int, seed: int) -> list[int]:
 def test_engine_matches_transformers(checkpoint_dirs: dict[str, Path], shape: str) -> None:
     model_dir = checkpoint_dirs[shape]
     make_core, runner = _make_core(model_dir)
-    recorder = Recorder(runner)
     vocab = _weights(model_dir).config.vocab_size
     # 300 tokens in chunks of 64: chunked prefill over the paged cache, windows crossed twice.
     prompt = _prompt(vocab, 300, seed=5)
-    generated = _run(make_core(), {"r": prompt}, max_tokens=12)["r"]
+    run = run_greedy(make_core(), {"r": prompt}, 12, runner)
+    generated = run.tokens["r"]
     assert len(generated) == 12
     ids = torch.tensor(prompt + generated[:-1])
     with torch.no_grad():
         expected = _transformers(model_dir)(ids[None]).logits[0, len(prompt) - 1 :]
-    actual = torch.stack(recorder.rows["r"])
+    actual = torch.stack(run.rows["r"])
     difference = (actual - expected).abs().max().item()
     assert difference <= TOLERANCE, f"max |Δlogit| = {difference:.2e}"
     assert generated == expected.argmax(-1).tolist()
@@ -114,27 +85,21 @@ def test_batch_prefix_cache_and_alone_agree(checkpoint_dirs: dict[str, Path]) ->
         "c": _prompt(vocab, 100, seed=13),
     }
     make_core, runner = _make_core(model_dir)
-    recorder = Recorder(runner)
     core = make_core()
-    together = _run(core, prompts, max_tokens=10)
+    together = run_greedy(core, prompts, 10, runner)
     # The same prompt again on the same core: a prefix-cache hit.
     again = {"a2": base}
-    core.add_request("a2", base, SamplingParams(max_tokens=10, temperature=0.0))
-    cached, tokens = 0, []
-    while core.has_unfinished_requests:
-        for output in core.step().outputs:
-            cached = max(cached, output.num_cached_tokens)
-            tokens.extend(output.new_token_ids)
-    assert cached >= 256 and tokens == together["a"], (cached, tokens)
-    batched_rows = {key: list(rows) for key, rows in recorder.rows.items()}
+    hit = run_greedy(core, again, 10, runner)
+    cached, tokens = hit.cached["a2"], hit.tokens["a2"]
+    assert cached >= 256 and tokens == together.tokens["a"], (cached, tokens)
+    batched_rows = {**together.rows, **hit.rows}
     for request_id, prompt in {**prompts, **again}.items():
-        alone_recorder = Recorder(runner)
-        alone = _run(make_core(), {request_id: prompt}, max_tokens=10)[request_id]
-        expected_tokens = together[request_id[0]]
-        assert alone == expected_tokens, request_id
+        alone = run_greedy(make_core(), {request_id: prompt}, 10, runner)
+        expected_tokens = together.tokens[request_id[0]]
+        assert alone.tokens[request_id] == expected_tokens, request_id
         difference = max(
             (x - y).abs().max().item()
-            for x, y in zip(batched_rows[request_id], alone_recorder.rows[request_id], strict=True)
+            for x, y in zip(batched_rows[request_id], alone.rows[request_id], strict=True)
         )
         assert difference <= SELF_TOLERANCE, f"{request_id}: {difference:.2e}"
 
@@ -146,12 +111,12 @@ def test_preemption_recomputes_to_the_same_tokens(checkpoint_dirs: dict[str, Pat
     # 20 blocks (320 tokens) for three requests that grow to 90 + 40 tokens each.
     make_core, _ = _make_core(model_dir, kv_tokens=320)
     core = make_core()
-    squeezed = _run(core, prompts, max_tokens=40)
+    squeezed = run_greedy(core, prompts, 40).tokens
     assert core.scheduler.stats().num_preemptions > 0
     roomy_core, _ = _make_core(model_dir)
     for request_id, prompt in prompts.items():
         assert (
-            _run(roomy_core(), {request_id: prompt}, max_tokens=40)[request_id]
+            run_greedy(roomy_core(), {request_id: prompt}, 40).tokens[request_id]
             == squeezed[request_id]
         )
 
@@ -162,7 +127,7 @@ def test_async_engine_streams_aborts_and_refuses(checkpoint_dirs: dict[str, Path
     vocab = _weights(model_dir).config.vocab_size
     info = EngineInfo(model_name="t", max_context_tokens=1024, vocab_size=vocab, created_at=0)
     prompts = {f"s{i}": _prompt(vocab, 40 + 10 * i, seed=30 + i) for i in range(3)}
-    expected = {r: _run(make_core(), {r: p}, max_tokens=6)[r] for r, p in prompts.items()}
+    expected = {r: run_greedy(make_core(), {r: p}, 6).tokens[r] for r, p in prompts.items()}
 
     async def main() -> None:
         engine = AsyncEngine(make_core, info)
