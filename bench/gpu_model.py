@@ -39,12 +39,15 @@ class DecodeStep:
     per sequence, with static buffers so it can be captured in a CUDA graph. ``dense``:
     "triton" runs the projections through ``kernels.linear`` (the Triton GEMV at small batch),
     "cublas" through torch's linear. ``weights`` (bf16): given, or synthetic ones drawn from
-    ``seed`` (default: torch's global seed); caches and input come from ``seed`` + 1."""
+    ``seed`` (default: torch's global seed); caches and input come from ``seed`` + 1. ``pdl``:
+    the kernels as programmatic dependent launches (kernels/launch.py; ``pdl_moe`` for the MoE's,
+    default ``pdl``). Each call keeps its
+    logits in ``last_logits``."""
 
     def __init__(
         self, config: ModelConfig, *, batch: int, context: int, block_size: int = 16,
         device: str = "cuda", dense: str = "triton", weights: ModelWeights | None = None,
-        seed: int | None = None,
+        seed: int | None = None, pdl: bool = False, pdl_moe: bool | None = None,
     ) -> None:  # fmt: skip
         seed = torch.initial_seed() if seed is None else seed
         if weights is None:
@@ -53,6 +56,9 @@ class DecodeStep:
             raise ValueError("weights were built for another config")
         self.config = config
         self.weights = weights
+        self.pdl = pdl
+        self.pdl_moe = pdl if pdl_moe is None else pdl_moe
+        self.last_logits: torch.Tensor | None = None
         self.dense = {"triton": linear, "cublas": linear_reference}[dense]
         h = config.hidden_size
         # Caches and input: their own generator, so the weights' draws do not depend on them.
@@ -82,27 +88,36 @@ class DecodeStep:
         a, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         q_dim, kv_dim = config.q_dim, config.kv_dim
         weights, x, residual = self.weights, self.hidden, None
+        pdl = self.pdl
+        dense_pdl = {"pdl": True} if pdl and self.dense is linear else {}
         for index, (layer, (k_cache, v_cache)) in enumerate(
             zip(weights.layers, self.caches, strict=True)
         ):
             attn = layer.attention
-            normed, residual = fused_add_rms_norm(x, residual, attn.input_norm, config.rms_norm_eps)
-            qkv = self.dense(normed, attn.qkv_weight, attn.qkv_bias)
+            normed, residual = fused_add_rms_norm(
+                x, residual, attn.input_norm, config.rms_norm_eps, pdl=pdl
+            )
+            qkv = self.dense(normed, attn.qkv_weight, attn.qkv_bias, **dense_pdl)
             q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
             batch = q.shape[0]
             q = rope_and_cache_write(
                 q.view(batch, a, d), k.view(batch, kv, d), v.view(batch, kv, d),
                 self.positions, weights.inv_freq, config.rope.attention_scaling,
-                k_cache, v_cache, self.slot_mapping,
+                k_cache, v_cache, self.slot_mapping, pdl=pdl,
             )  # fmt: skip
             window = config.sliding_window if config.is_sliding(index) else None
             out = paged_attention_decode(
                 q, k_cache, v_cache, self.block_tables, self.seq_lens, attn.sinks,
-                window=window, scale=d**-0.5,
+                window=window, scale=d**-0.5, pdl=pdl,
             )  # fmt: skip
-            x = self.dense(out.view(batch, q_dim), attn.o_weight, attn.o_bias)
-            normed, residual = fused_add_rms_norm(x, residual, attn.post_norm, config.rms_norm_eps)
-            x = mxfp4_moe(normed, layer.moe, top_k=config.num_experts_per_tok)
-        normed, _ = fused_add_rms_norm(x, residual, weights.final_norm, config.rms_norm_eps)
-        logits = self.dense(normed, weights.lm_head, out_dtype=torch.float32)
+            x = self.dense(out.view(batch, q_dim), attn.o_weight, attn.o_bias, **dense_pdl)
+            normed, residual = fused_add_rms_norm(
+                x, residual, attn.post_norm, config.rms_norm_eps, pdl=pdl
+            )
+            x = mxfp4_moe(normed, layer.moe, top_k=config.num_experts_per_tok, pdl=self.pdl_moe)
+        normed, _ = fused_add_rms_norm(
+            x, residual, weights.final_norm, config.rms_norm_eps, pdl=pdl
+        )
+        logits = self.dense(normed, weights.lm_head, out_dtype=torch.float32, **dense_pdl)
+        self.last_logits = logits
         return sample_tokens(logits, self.temperature, self.top_p, self.seeds, self.steps)

@@ -38,17 +38,23 @@ logger = logging.getLogger("bench.kernels")
 FLOOR_DECODE_STEP_MS = 1.16  # 5.0 GB per token at 4.3 TB/s (docs/performance.md)
 
 
-def graph_time_ms(fn: Callable[[], object], *, calls: int = 1, repeats: int = 20) -> list[float]:
-    """Capture ``fn`` (which may itself make several calls) in a CUDA graph; per-replay ms."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` warmed up (compile, autotune, allocate) on a side stream, then captured."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up: compile, autotune, allocate
+        for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def graph_time_ms(fn: Callable[[], object], *, calls: int = 1, repeats: int = 20) -> list[float]:
+    """Capture ``fn`` (which may itself make several calls) in a CUDA graph; per-replay ms."""
+    graph = capture_graph(fn)
     graph.replay()
     torch.cuda.synchronize()
     times = []

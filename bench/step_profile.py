@@ -11,6 +11,7 @@ kernel boundaries cost (or save, where neighbours overlap).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import statistics
@@ -36,8 +37,9 @@ logger = logging.getLogger("bench.step_profile")
 GEMV_SWEEP = [GemvTiles(r, w) for r, w in [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]]
 
 
-def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
-    """name -> (a callable running the stage for every layer, bytes of weights/KV it reads)."""
+def stages(step: DecodeStep, pdl: bool = False) -> dict[str, tuple[Callable[[], object], int]]:
+    """name -> (a callable running the stage for every layer, bytes of weights/KV it reads);
+    ``pdl``: the Triton kernels as programmatic dependent launches (kernels/launch.py)."""
     config, batch = step.config, step.hidden.shape[0]
     a, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     x = step.hidden
@@ -70,6 +72,7 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
                     attns[index].sinks,
                     window=window,
                     scale=d**-0.5,
+                    pdl=pdl,
                 )
             )
         return outs
@@ -79,11 +82,15 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
     logits = torch.randn(batch, config.vocab_size, device="cuda") * 3
     result = {
         "norms (2 per layer)": (
-            lambda: [fused_add_rms_norm(x, x, w.input_norm, 1e-5) for w in attns for _ in range(2)],
+            lambda: [
+                fused_add_rms_norm(x, x, w.input_norm, 1e-5, pdl=pdl)
+                for w in attns
+                for _ in range(2)
+            ],
             0,
         ),
         "qkv cublas": dense(linear_reference, "qkv"),
-        "qkv triton": dense(linear, "qkv"),
+        "qkv triton": dense(functools.partial(linear, pdl=pdl), "qkv"),
         "rope + cache write": (
             lambda: [
                 rope_and_cache_write(
@@ -96,6 +103,7 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
                     kc,
                     vc,
                     step.slot_mapping,
+                    pdl=pdl,
                 )
                 for kc, vc in step.caches
             ],
@@ -103,8 +111,8 @@ def stages(step: DecodeStep) -> dict[str, tuple[Callable[[], object], int]]:
         ),
         "attention": (attention, 0),
         "o cublas": dense(linear_reference, "o"),
-        "o triton": dense(linear, "o"),
-        "moe": (lambda: [mxfp4_moe(x, moe) for moe in moes], 0),
+        "o triton": dense(functools.partial(linear, pdl=pdl), "o"),
+        "moe": (lambda: [mxfp4_moe(x, moe, pdl=pdl) for moe in moes], 0),
         "unembed cublas": (
             lambda: linear_reference(x, lm_head, out_dtype=torch.float32),
             lm_bytes,

@@ -222,6 +222,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="plain kernel launches (no programmatic dependent launch)",
+    )
 
 
 def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) -> EngineConfig:
@@ -237,6 +242,7 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) 
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_gpu_memory_gb=args.max_gpu_memory,
             use_cuda_graphs=not args.no_cuda_graphs,
+            programmatic_launch=not args.no_pdl,
             reference_ops=getattr(args, "dtype", None) == "float32",
         )
     except ValueError as error:

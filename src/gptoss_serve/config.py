@@ -363,6 +363,9 @@ class EngineConfig:
     # that prefix-cache hits on sliding layers survive.
     num_spare_sliding_blocks: int = 256
     use_cuda_graphs: bool = True
+    # The decode step's kernels as programmatic dependent launches (kernels/launch.py):
+    # 2.76 -> 2.59 ms a 120b batch-1 step on the H200 (bench/pdl_step.py).
+    programmatic_launch: bool = True
     # The plain-torch references instead of the Triton kernels (the float32 verification
     # mode; slow, no graphs).
     reference_ops: bool = False

@@ -161,8 +161,8 @@ def test_gpu_decode_tile_variants(gpu_weights: MoeWeights, variant: int) -> None
 @pytest.mark.parametrize("variant", range(len(_decode_variants())))
 def test_decode_kernels_compile_for_sm90(variant: int) -> None:
     """The decode path's kernels at 120b shapes: weights and activations streamed by cp.async
-    into mma.sync, the decode's packed bf16 multiplies, no local memory; griddepcontrol and the
-    L2 prefetch with PDL."""
+    into mma.sync, the decode's packed bf16 multiplies, no local memory; griddepcontrol (wait and
+    launch_dependents) with PDL."""
     from gptoss_serve.kernels import _moe_decode  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
 
@@ -174,7 +174,7 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
     common = dict(TOP_K=4, PTX=tiles.ptx, PDL=tiles.pdl, INTERPRET=False)
     gate_up = dict(H=2880, N=5760, E=128, ROUTED=False, BN=tiles.gate_up_rows * tiles.gate_up_split)
     gate_up |= dict(SPLIT=tiles.gate_up_split, NUM_STAGES=tiles.gate_up_stages)
-    down = dict(N=2880, K=2880, E=128, BR=tiles.down_rows, SPLIT=tiles.down_split)
+    down = dict(N=2880, K=2880, BR=tiles.down_rows, SPLIT=tiles.down_split)
     down |= dict(NUM_STAGES=tiles.down_stages)
     gate_up |= split_plan(2880, tiles.gate_up_split, tiles.gate_up_unroll) | common
     down |= split_plan(2880, tiles.down_split, tiles.down_unroll) | common
@@ -187,9 +187,10 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
         assert ".local" not in ptx
         assert ("mul.rn.bf16x2" in ptx) == tiles.ptx
         assert ("griddepcontrol.wait" in ptx) == tiles.pdl
+        assert ("griddepcontrol.launch_dependents" in ptx) == tiles.pdl
     for num_tokens, block_k in [(1, 4096), (16, 256)]:
         router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts)
         router |= dict(BLOCK_K=tiles.router_block_k or block_k, PDL=tiles.pdl)
-        router |= dict(TOP_K=4, ROUTE=not tiles.pdl)  # both variants compile
+        router |= dict(TOP_K=4, ROUTE=tiles.route_in_router)
         ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
         assert ".local" not in ptx

@@ -68,7 +68,8 @@ def run_engine_bench(
         "model": name, "kv_cache_tokens": plan.max_num_tokens,
         "settings": {"max_num_seqs": config.scheduler.max_num_seqs,
                      "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-                     "decode_tokens": decode_tokens, "cuda_graphs": config.use_cuda_graphs},
+                     "decode_tokens": decode_tokens, "cuda_graphs": config.use_cuda_graphs,
+                     "programmatic_launch": config.programmatic_launch},
         "figures": figures,
     }  # fmt: skip
 

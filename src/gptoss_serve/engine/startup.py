@@ -30,7 +30,7 @@ from gptoss_serve.engine.kv_sizing import (
     plan_kv_cache,
 )
 from gptoss_serve.engine.model_runner import ModelRunner, SamplingBatch
-from gptoss_serve.engine.ops import KERNEL_OPS, REFERENCE_OPS, Ops
+from gptoss_serve.engine.ops import REFERENCE_OPS, Ops, kernel_ops
 from gptoss_serve.engine.scheduler import Scheduler
 from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from gptoss_serve.engine.weights import ModelWeights
@@ -52,7 +52,7 @@ def build_engine(
         config.scheduler,
         max_model_len=min(config.scheduler.max_model_len, model.max_position_embeddings),
     )
-    ops = REFERENCE_OPS if config.reference_ops else KERNEL_OPS
+    ops = REFERENCE_OPS if config.reference_ops else kernel_ops(pdl=config.programmatic_launch)
     spec = KvCacheSpec.from_model_config(model, dtype_bytes=weights.dtype.itemsize)
     plan = _plan(weights, config, scheduler_config, spec, ops)
     kv = allocate_kv_cache(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._attention_common import (
     LOG2E,
@@ -95,7 +96,11 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_MIN: tl.constexpr, HAS_WINDOW: tl.constexpr, FOLD_SINK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # q and this step's K/V come from the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     kv_head = tl.program_id(0)  # fastest: the 8 heads of one split share DRAM pages
     split_id = tl.program_id(1)
     seq = tl.program_id(2)
@@ -150,8 +155,12 @@ def _combine_kernel(
     stride_ob, stride_oh, window, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (head, sequence): merge the splits' partials and the sink logit."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     head = tl.program_id(0)
     seq = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -185,8 +194,10 @@ def launch_decode(
     window: int | None,
     scale: float,
     max_seq_len: int | None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Shapes as in attention.paged_attention_decode; ``out`` [B, A, D] is written."""
+    """Shapes as in attention.paged_attention_decode; ``out`` [B, A, D] is written; ``pdl``:
+    programmatic dependent launches (kernels/launch.py)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -210,6 +221,7 @@ def launch_decode(
         BLOCK_N=tiles.block_n,
         SPLIT_MIN=tiles.split_min,
         HAS_WINDOW=window is not None,
+        PDL=pdl,
     )
     _decode_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, sinks, out, part_m, part_l, part_acc,
@@ -217,11 +229,11 @@ def launch_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         qk_scale=scale * LOG2E_FLOAT, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         PAGE_SIZE=page_size, FOLD_SINK=fold_sink,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **common,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl, **common,
     )  # fmt: skip
     if not fold_sink:
         _combine_kernel[(num_heads, batch)](
             seq_lens, sinks, part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, **common,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, launch_pdl=pdl, **common,
         )  # fmt: skip
     return out

@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._moe_common import _to_bf16
 from gptoss_serve.kernels.linear import GemvTiles
@@ -28,7 +29,7 @@ from gptoss_serve.kernels.linear import GemvTiles
 def _gemv_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr, num_tokens, num_rows, stride_x, stride_out,
     K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr, BN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """out[m, n0:n0 + BN] = x[m] @ W[n0:n0 + BN]^T (+ b) for every token m < num_tokens (at most
     T_PAD, a power of two: one compiled variant per bucket), fp32 accumulation.
@@ -36,7 +37,12 @@ def _gemv_kernel(
     Tried and dropped: the block's residual add + RMSNorm recomputed in every program in front
     of the q/k/v GEMV (no norm launch) cost more than the launch it saved (H200, 36 layers:
     417 us against 60 + 350).
+
+    PDL (programmatic dependent launch): the weights and bias, which no earlier kernel
+    writes, are loaded before waiting for the previous kernel (whose tail they overlap).
     """
+    if PDL:  # let the next kernel's programs in as this one's last ones start
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_mask = rows < num_rows
     rows = tl.minimum(rows, num_rows - 1)  # the last program's extra rows re-read a real row
@@ -45,6 +51,8 @@ def _gemv_kernel(
         bias = tl.load(bias_ptr + rows).to(tl.float32)
     w_ptrs = weight_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :]
     w = tl.load(w_ptrs, mask=(ks < K)[None, :], other=0.0)  # all-true mask when K_PAD == K
+    if PDL:
+        gdc_wait()  # x comes from the previous kernel
     w = w.to(tl.float32)  # [BN, K_PAD], once for all tokens
     for m in tl.static_range(T_PAD):
         in_row = (ks < K) & (m < num_tokens)
@@ -65,8 +73,11 @@ def linear_triton(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     tiles: GemvTiles,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Launch the GEMV: x [T, K] (unit stride along K), weight [N, K] -> [T, N] out_dtype."""
+    """Launch the GEMV: x [T, K] (unit stride along K), weight [N, K] -> [T, N] out_dtype;
+    ``pdl``: as a programmatic dependent launch (kernels/launch.py)."""
     num_tokens, k = x.shape
     num_rows = weight.shape[0]
     weight = weight.contiguous()
@@ -80,6 +91,7 @@ def linear_triton(
         x, weight, weight if bias is None else bias, out, num_tokens, num_rows, x.stride(0),
         out.stride(0), K=k, K_PAD=triton.next_power_of_2(k),
         T_PAD=triton.next_power_of_2(num_tokens), BN=tiles.rows, HAS_BIAS=bias is not None,
-        OUT_FP32=out_dtype == torch.float32, INTERPRET=interpreting, num_warps=tiles.num_warps,
+        OUT_FP32=out_dtype == torch.float32, PDL=pdl and not interpreting,
+        INTERPRET=interpreting, num_warps=tiles.num_warps, launch_pdl=pdl and not interpreting,
     )  # fmt: skip
     return out

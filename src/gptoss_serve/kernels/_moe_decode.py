@@ -15,11 +15,12 @@
    row (e, r) keeps column e; bias, routing weight and the sum over the k experts (a fixed
    reduction tree: deterministic) follow in registers, out [T, H] bf16.
 
-PDL (programmatic dependent launch, optional): gate_up and down are launched so that they can
-start while their predecessor still runs; gate_up waits (griddepcontrol.wait) before it reads
-the logits, and lets down launch at once. Down then finds its experts from the logits (the
-router finished before any gate_up program passed its wait), asks L2 to prefetch their weight
-rows while gate_up streams, and waits for gate_up before it reads h and the routing.
+PDL (programmatic dependent launch, optional; kernels/launch.py): each of the three waits
+(griddepcontrol.wait) before it reads or writes anything, and lets the next kernel launch
+only once its own weight stream is done (griddepcontrol.launch_dependents after the GEMV
+loop): next kernels' programs launched at the start sit beside the stream and slowed the
+T = 1 MoE from 36 to 55 us a layer. (An earlier variant had down
+prefetch its experts' rows into L2 before its wait: 54.8 against 36.4 us a layer at T = 1.)
 """
 
 # Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
@@ -56,8 +57,8 @@ def _router_kernel(
     ROUTE: the last program to finish (a ticket from ``counter_ptr``) also writes every
     token's top-k expert ids [T, k] int32 and routing weights [T, k] fp32, once, so that the
     GEMV programs just load them, then re-arms the counter to 0 for the next launch."""
-    if PDL:
-        gdc_launch_dependents()
+    if PDL:  # x comes from the previous kernel
+        gdc_wait()
     pid = tl.program_id(0)
     experts = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     tokens = tl.arange(0, T_PAD)
@@ -83,6 +84,8 @@ def _router_kernel(
                 _thread_order(x, BLOCK_K),
                 mask=token_mask[:, None] & k_mask[None, :],
             )
+    if PDL:  # the next kernel's programs may come in now, for this one's tail
+        gdc_launch_dependents()
     bias = tl.load(bias_ptr + experts, mask=experts < E, other=0.0).to(tl.float32)
     mask = token_mask[:, None] & (experts < E)[None, :]
     tl.store(logits_ptr + tokens[:, None] * E + experts[None, :], acc + bias[None, :], mask=mask)
@@ -129,20 +132,6 @@ def _part_groups(part, G: tl.constexpr, SPLIT_GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """Ask L2 to fetch ``nbytes`` (int32, a multiple of 16; 0: nothing) from each pointer."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0;"
-        " @p cp.async.bulk.prefetch.L2.global [$1], $2; }",
-        "=r,l,r",
-        [ptrs, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _token_routing(logits_ptr, token, E: tl.constexpr, TOP_K: tl.constexpr):
     """(expert ids [K_PAD] int32, routing weights [K_PAD] fp32) of one token from its logits."""
     E_PAD: tl.constexpr = triton.next_power_of_2(E)
@@ -173,8 +162,7 @@ def _gate_up_kernel(
     col_block = tl.program_id(0) // num_pairs  # pairs fastest: concurrent programs share rows
     token = pair // TOP_K
     if PDL:
-        gdc_wait()  # the router's logits and x_thread
-        gdc_launch_dependents()
+        gdc_wait()  # the router's logits (or routing) and x_thread
     if ROUTED:
         expert = tl.load(expert_ids_ptr + pair)
     else:
@@ -204,6 +192,8 @@ def _gate_up_kernel(
         block_rows, scale_rows, row_groups, t, col_ptrs, _part_groups(col_part, G, SPLIT_GROUPS),
         BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET,
     )  # fmt: skip
+    if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
+        gdc_launch_dependents()
     keep = (tl.arange(0, BN) // R)[:, None] == cols[None, :]  # row s·R + r: column s
     y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)
     out_rows = n0 + tl.arange(0, R)
@@ -220,9 +210,9 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, logits_ptr, expert_ids_ptr, routing_weights_ptr, blocks_ptr, scales_ptr, bias_ptr,
+    h_ptr, expert_ids_ptr, routing_weights_ptr, blocks_ptr, scales_ptr, bias_ptr,
     out_ptr, stride_out,
-    N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BR: tl.constexpr,
+    N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BR: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr, STEPS: tl.constexpr,
     FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr,
     PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
@@ -238,13 +228,8 @@ def _down_kernel(
     n0 = tl.program_id(1) * BR
     slots = tl.arange(0, K_PAD)
     slot_mask = slots < TOP_K
-    if PDL:  # gate_up may still run: the experts from the logits, their rows into L2
-        early_ids, _ = _token_routing(logits_ptr, token, E, TOP_K)
-        rows = n0 + tl.arange(0, BR)
-        row_ptrs = blocks_ptr + early_ids.to(tl.int64)[:, None] * (N * K // 2)
-        row_ptrs += rows[None, :] * (K // 2)
-        _prefetch_l2(row_ptrs, (K // 2) * (slot_mask[:, None] & (rows < N)[None, :]))
-        gdc_wait()  # h, and the same routing as written by gate_up
+    if PDL:
+        gdc_wait()  # h, and the routing
     ids = tl.load(expert_ids_ptr + token * TOP_K + slots, mask=slot_mask, other=0).to(tl.int64)
     weights = tl.load(routing_weights_ptr + token * TOP_K + slots, mask=slot_mask, other=0.0)
     rows, t = _tile_slots(BN)
@@ -270,6 +255,8 @@ def _down_kernel(
         block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
         BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET,
     )  # fmt: skip
+    if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
+        gdc_launch_dependents()
     keep = (tl.arange(0, BN) // BR)[:, None] == cols[None, :]  # tile row: its own column
     y = tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [K_PAD, SPLIT, BR])
     y = tl.sum(y, axis=1) * ACC_SCALE  # [K_PAD, BR]

@@ -55,7 +55,7 @@ class DecodeTiles:
     # program: that tail costs the router ~2 us, which the GEMVs win back from T ~ 8 on.
     route_in_router: bool = True
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
-    pdl: bool = False  # programmatic dependent launch (_moe_decode.py); GPU, routing computed
+    pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
 
     def __post_init__(self) -> None:
         # Triton tiles are powers of two; a GEMV tile is at least one 16-row MMA.
@@ -75,6 +75,11 @@ class DecodeTiles:
 DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (1, DecodeTiles(down_warps=4, route_in_router=False)),
     (4, DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4, route_in_router=False)),
+    # At T = 8, gate_up asks for two 128-column steps of a row at once (unroll 2, 2 stages):
+    # 115 -> 101 us; down with 8 rows and 2 warps 65.5 -> 60.9 us; the layer 187.8 -> 172.7
+    # us (bench/moe_profile.py, H200). At 16-64 tokens the same tiles were within noise or
+    # slower (T = 32: 609 -> 624 us), so the old ones stay there.
+    (8, DecodeTiles(gate_up_rows=64, gate_up_stages=2, gate_up_unroll=2, down_warps=2)),
     (
         DECODE_MAX_TOKENS,
         DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4),
@@ -84,7 +89,7 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
 
 def routes_in_router(tiles: DecodeTiles) -> bool:
     """Whether the router writes the routing (else gate_up computes it from the logits)."""
-    return tiles.route_in_router and not tiles.pdl
+    return tiles.route_in_router
 
 
 def decode_tiles_for(num_tokens: int) -> DecodeTiles:
@@ -141,8 +146,8 @@ def mxfp4_moe_decode(
         gates = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
         x_thread = _scratch((num_tokens, hidden), torch.bfloat16, device, poison)
         logits = _scratch((num_tokens, weights.num_experts), torch.float32, device, poison)
-        # With PDL gate_up computes the routing from the logits (and down prefetches its
-        # experts' rows from them); else the router's last program writes it once.
+        # The router's last program writes the routing once, or gate_up computes it from the
+        # logits (and writes it for down).
         routed_here = routes_in_router(tiles)
         launch_router(
             x, weights, logits, x_thread, tiles, ids=ids if routed_here else None, gates=gates
@@ -154,7 +159,7 @@ def mxfp4_moe_decode(
     launch_gate_up(
         weights, x_thread, gemv_logits, ids, gates, h=h, tiles=tiles, alpha=alpha, limit=limit
     )
-    launch_down(weights, h, ids, gates, out=out, tiles=tiles, logits=gemv_logits)
+    launch_down(weights, h, ids, gates, out=out, tiles=tiles)
     return DecodeResult(out, ids, gates, logits)
 
 
@@ -183,7 +188,7 @@ def launch_router(
         counter if route else logits, ids if route else logits, gates if route else logits,
         num_tokens, x.stride(0), H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens),
         BLOCK_E=block_e, BLOCK_K=block_k, TOP_K=ids.shape[1] if route else 1, ROUTE=route,
-        PDL=tiles.pdl and not _interpreting(), num_warps=4,
+        PDL=_pdl(tiles), num_warps=4, launch_pdl=_pdl(tiles),
     )  # fmt: skip
 
 
@@ -204,7 +209,7 @@ def launch_gate_up(
     num_tokens, hidden = x_thread.shape
     top_k, inter = ids.shape[1], weights.intermediate_size
     num_pairs = num_tokens * top_k
-    pdl = _pdl(tiles, logits)
+    pdl = _pdl(tiles)
     rows, split = tiles.gate_up_rows, tiles.gate_up_split
     decode._gate_up_kernel[(num_pairs * triton.cdiv(2 * inter, rows),)](
         x_thread, gates if logits is None else logits, ids, gates,
@@ -226,20 +231,18 @@ def launch_down(
     *,
     out: torch.Tensor,
     tiles: DecodeTiles,
-    logits: torch.Tensor | None = None,
 ) -> None:
-    """out [T, H] = Σ_k gates · (h @ Wd[ids]^T + bd[ids]), the k experts summed in-program
-    (with PDL, the experts' rows are prefetched to L2 from the routing in ``logits``)."""
+    """out [T, H] = Σ_k gates · (h @ Wd[ids]^T + bd[ids]), the k experts summed in-program."""
     num_tokens, top_k = ids.shape
-    pdl = _pdl(tiles, logits)
+    pdl = _pdl(tiles)
     hidden, inter = weights.hidden_size, weights.intermediate_size
     rows, split = tiles.down_rows, tiles.down_split
     if _pow2(top_k) * split * rows < 16:
         raise ValueError(f"k · down_split · down_rows must be at least 16, got {tiles}")
     decode._down_kernel[(num_tokens, triton.cdiv(hidden, rows))](
-        h, gates if logits is None else logits, ids, gates,
+        h, ids, gates,
         weights.down_blocks, weights.down_scales, weights.down_bias, out, out.stride(0),
-        N=hidden, K=inter, E=weights.num_experts, TOP_K=top_k, BR=rows, SPLIT=split,
+        N=hidden, K=inter, TOP_K=top_k, BR=rows, SPLIT=split,
         **split_plan(inter, split, tiles.down_unroll), NUM_STAGES=tiles.down_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
@@ -271,9 +274,9 @@ def decode_debug(blocks: torch.Tensor, scales: torch.Tensor, *, ptx: bool = True
     return out
 
 
-def _pdl(tiles: DecodeTiles, logits: torch.Tensor | None) -> bool:
-    """PDL needs the logits (down recomputes the routing) and a GPU."""
-    return tiles.pdl and logits is not None and not _interpreting()
+def _pdl(tiles: DecodeTiles) -> bool:
+    """PDL needs a GPU (the callers pass x's device through kernels/launch.py)."""
+    return tiles.pdl and not _interpreting()
 
 
 def _scratch(shape: tuple[int, ...], dtype: torch.dtype, device, poison: bool) -> torch.Tensor:

@@ -16,6 +16,7 @@ size below is known from T):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,7 +26,12 @@ import triton
 from gptoss_serve.kernels import _moe_dequant as dequant
 from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_routing as routing
-from gptoss_serve.kernels._moe_small import DECODE_MAX_TOKENS, DecodeTiles, mxfp4_moe_decode
+from gptoss_serve.kernels._moe_small import (
+    DECODE_MAX_TOKENS,
+    DecodeTiles,
+    decode_tiles_for,
+    mxfp4_moe_decode,
+)
 from gptoss_serve.kernels.moe import MoeWeights
 
 
@@ -118,6 +124,7 @@ def mxfp4_moe_triton(
     out: torch.Tensor | None = None,
     poison: bool = False,
     decode_tiles: DecodeTiles | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """The Triton path of mxfp4_moe (also on CPU tensors under TRITON_INTERPRET=1).
 
@@ -125,11 +132,16 @@ def mxfp4_moe_triton(
     decode path (``decode_tiles`` overrides its launch shapes). ``out`` [T, H] (rows
     contiguous) receives the result; ``poison`` fills the float scratch buffers with NaN so that
     a read of anything unwritten shows (tests). The weights must be contiguous, as
-    MoeWeights.from_checkpoint makes them.
+    MoeWeights.from_checkpoint makes them. ``pdl`` launches the decode path's kernels as
+    programmatic dependent launches (GPU only; the grouped path ignores it).
     """
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
     if tiles is None and _use_decode_path(x.shape[0], weights):
+        if pdl:
+            decode_tiles = dataclasses.replace(
+                decode_tiles or decode_tiles_for(x.shape[0]), pdl=True
+            )
         return mxfp4_moe_decode(
             x, weights, top_k=top_k, alpha=alpha, limit=limit, tiles=decode_tiles, out=out,
             poison=poison,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -29,10 +30,17 @@ def _fused_add_rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    if PDL:  # the norm weight is no earlier kernel's output: loaded before the wait
+        gdc_launch_dependents()
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        gdc_wait()
+    else:
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     out_dtype = new_residual_ptr.dtype.element_ty
     if HAS_RESIDUAL:
@@ -45,7 +53,6 @@ def _fused_add_rms_norm_kernel(
     tl.store(new_residual_ptr + row * stride_new_residual + cols, summed, mask=mask)
     summed = summed.to(tl.float32)
     mean_square = tl.sum(summed * summed, axis=0) / hidden
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = summed * tl.math.rsqrt(mean_square + eps) * weight
     tl.store(normed_ptr + row * stride_normed + cols, normed.to(out_dtype), mask=mask)
 
@@ -57,6 +64,7 @@ def fused_add_rms_norm_triton(
     eps: float,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the kernel; same contract as ``norm.fused_add_rms_norm``. ``out`` (normed,
     new_residual), row-strided [T, H] buffers, is written instead of fresh tensors: it may be
@@ -89,6 +97,8 @@ def fused_add_rms_norm_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        PDL=pdl,
         num_warps=8 if block >= 2048 else 4,
+        launch_pdl=pdl,
     )
     return normed, new_residual

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -44,10 +45,14 @@ def _rope_cache_kernel(
     stride_vc_block, stride_vc_slot, stride_vc_head,
     block_size, num_q_heads, num_kv_heads, half,
     Q_HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF_BLOCK)
     inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < half, other=0.0)
+    if PDL:  # inv_freq is a weight; everything else may come from the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     # Same float32 product as the reference: positions.float() * inv_freq.
     angles = tl.load(positions_ptr + token).to(tl.float32) * inv_freq
     # Angles reach 131072 rad: the approximate MUFU.COS would be far off there. Triton 3.6
@@ -91,9 +96,11 @@ def rope_and_cache_write_triton(
     slot_mapping: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Launches the kernel; same contract as ``rope.rope_and_cache_write``. ``out`` [T, A, D]
-    (head_dim contiguous; q itself works) receives the rotated q instead of a fresh tensor."""
+    (head_dim contiguous; q itself works) receives the rotated q instead of a fresh tensor;
+    ``pdl``: a programmatic dependent launch (kernels/launch.py)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -116,6 +123,8 @@ def rope_and_cache_write_triton(
         Q_HEADS_BLOCK=triton.next_power_of_2(num_q_heads),
         KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads),
         HALF_BLOCK=triton.next_power_of_2(half),
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )  # fmt: skip
     return q_out

@@ -40,6 +40,8 @@ from collections.abc import Sequence
 
 import torch
 
+from gptoss_serve.kernels.launch import pdl_applies
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -94,11 +96,13 @@ def paged_attention_decode(  # noqa: PLR0917  (the engine calls it positionally)
     scale: float,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One new token per sequence: q [B, A, D] at positions seq_lens − 1 -> [B, A, D].
 
     ``max_seq_len`` (host int, optional) only sizes the split count; ``out`` (optional,
-    [B, A, D]) receives the result, e.g. a CUDA graph's static buffer.
+    [B, A, D]) receives the result, e.g. a CUDA graph's static buffer; ``pdl``: launch as
+    programmatic dependent launches where that applies (kernels/launch.py).
     """
     # Imported here: triton is a GPU-only dependency, and the model imports this module.
     from gptoss_serve.kernels._attention_decode import launch_decode  # noqa: PLC0415
@@ -109,7 +113,7 @@ def paged_attention_decode(  # noqa: PLR0917  (the engine calls it positionally)
     out = _output(q, out)
     return launch_decode(
         q, k_cache, v_cache, block_tables, seq_lens, sinks, out,
-        window=window, scale=scale, max_seq_len=max_seq_len,
+        window=window, scale=scale, max_seq_len=max_seq_len, pdl=pdl_applies(pdl, q),
     )  # fmt: skip
 
 

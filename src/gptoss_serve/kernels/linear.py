@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gptoss_serve.kernels.launch import pdl_applies
+
 logger = logging.getLogger(__name__)
 
 # Token counts up to which the GEMV runs: it keeps the weight tile in registers and loops over
@@ -42,8 +44,10 @@ def linear(
     *,
     out_dtype: torch.dtype | None = None,
     tiles: GemvTiles | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """x [T, K], weight [N, K], bias [N] -> [T, N] in ``out_dtype`` (default x's dtype)."""
+    """x [T, K], weight [N, K], bias [N] -> [T, N] in ``out_dtype`` (default x's dtype);
+    ``pdl``: the GEMV as a programmatic dependent launch where that applies (launch.py)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"expected x [T, K] and weight [N, K], got {x.shape}, {weight.shape}")
     if bias is not None and bias.shape != weight.shape[:1]:
@@ -54,7 +58,7 @@ def linear(
         from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415
 
         tiles = tiles or gemv_tiles_for(*weight.shape)
-        return linear_triton(x, weight, bias, out_dtype, tiles)
+        return linear_triton(x, weight, bias, out_dtype, tiles, pdl=pdl_applies(pdl, x))
     return linear_reference(x, weight, bias, out_dtype=out_dtype)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gptoss_serve.kernels.launch import pdl_applies
 from gptoss_serve.kernels.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
 
 # An expert's dense weights: (gate_up [2I, H], down [H, I]) in the compute dtype.
@@ -158,16 +159,20 @@ def mxfp4_moe(
     top_k: int = 4,
     alpha: float = 1.702,
     limit: float = 7.0,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x's dtype: routing, the top_k experts' SwiGLU MLPs, weighted sum.
 
     The Triton kernels when x is a bf16 CUDA tensor (the tensor cores take bf16), the
-    plain-torch reference otherwise (CPU, or another dtype).
+    plain-torch reference otherwise (CPU, or another dtype). ``pdl``: the decode path's
+    kernels as programmatic dependent launches where that applies (kernels/launch.py).
     """
     if x.is_cuda and x.dtype == torch.bfloat16:
         from gptoss_serve.kernels._moe_triton import mxfp4_moe_triton  # noqa: PLC0415 (needs triton)
 
-        return mxfp4_moe_triton(x, weights, top_k=top_k, alpha=alpha, limit=limit)
+        return mxfp4_moe_triton(
+            x, weights, top_k=top_k, alpha=alpha, limit=limit, pdl=pdl_applies(pdl, x)
+        )
     return mxfp4_moe_reference(x, weights, top_k=top_k, alpha=alpha, limit=limit)
 
 

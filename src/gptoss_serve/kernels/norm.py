@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from gptoss_serve.kernels.launch import pdl_applies
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[..., hidden] -> [..., hidden] in x's dtype; the statistics are taken in float32."""
@@ -24,19 +26,25 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, H] -> (normed [T, H], new_residual [T, H]), both in x's dtype.
 
     new_residual = x + residual (x alone for the first layer, residual None), rounded to x's
     dtype as the residual stream is stored; normed = rms_norm(new_residual, weight, eps).
+    ``pdl``: a programmatic dependent launch where that applies (kernels/launch.py).
     """
     _check(x, residual, weight)
     if x.is_cuda:
         # Imported here: CPU installs may have no triton at all.
         from gptoss_serve.kernels._norm import fused_add_rms_norm_triton  # noqa: PLC0415
 
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
+        return fused_add_rms_norm_triton(x, residual, weight, eps, pdl=pdl_applies(pdl, x))
     return fused_add_rms_norm_reference(x, residual, weight, eps)
 
 

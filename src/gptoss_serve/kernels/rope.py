@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from gptoss_serve.kernels.launch import pdl_applies
+
 
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
@@ -44,13 +46,16 @@ def rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tensor)
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Rotates q [T, A, D] and k [T, KV, D]; returns the rotated q, in q's dtype.
 
     positions [T] int; inv_freq [D/2] float32 (YaRN); cos/sin are multiplied by ``scaling``.
     The rotated k and the plain v [T, KV, D] go to the caches [num_blocks, block_size, KV, D]
     at slot = slot_mapping[t] (block slot // block_size, row slot % block_size); a slot of -1
-    (padding of a CUDA-graph batch) writes nothing.
+    (padding of a CUDA-graph batch) writes nothing. ``pdl``: a programmatic dependent launch
+    where that applies (kernels/launch.py).
     """
     _check(q, k, v, k_cache)
     if q.is_cuda:
@@ -58,8 +63,9 @@ def rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tensor)
         from gptoss_serve.kernels._rope import rope_and_cache_write_triton  # noqa: PLC0415
 
         return rope_and_cache_write_triton(
-            q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slot_mapping
-        )
+            q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slot_mapping,
+            pdl=pdl_applies(pdl, q),
+        )  # fmt: skip
     return rope_and_cache_write_reference(
         q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slot_mapping
     )
