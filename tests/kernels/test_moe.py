@@ -189,9 +189,9 @@ def check_routing(x: torch.Tensor, weights: MoeWeights, tiles) -> None:
 def _regimes() -> list:
     if not INTERPRETING:
         return [None]
-    from gptoss_serve.kernels._moe_triton import DECODE_TILES, PREFILL_TILES  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_triton import PREFILL_TILES, SMALL_BATCH_TILES  # noqa: PLC0415
 
-    return [DECODE_TILES[0][1], PREFILL_TILES[0][1]]  # one-program routing; atomic grouping
+    return [SMALL_BATCH_TILES[0][1], PREFILL_TILES[0][1]]  # one-program routing; atomic grouping
 
 
 @interpreter
@@ -296,9 +296,9 @@ def test_gpu_graph_capture_and_determinism(gpu_weights: MoeWeights, num_tokens: 
 def _all_regimes() -> list:
     if importlib.util.find_spec("triton") is None:
         return []
-    from gptoss_serve.kernels._moe_triton import DECODE_TILES, PREFILL_TILES  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_triton import PREFILL_TILES, SMALL_BATCH_TILES  # noqa: PLC0415
 
-    return [tiles for _, tiles in DECODE_TILES + PREFILL_TILES]
+    return [tiles for _, tiles in SMALL_BATCH_TILES + PREFILL_TILES]
 
 
 @pytest.mark.slow

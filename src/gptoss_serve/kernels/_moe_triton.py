@@ -68,7 +68,7 @@ class MoeTiles:
 # block_n ≥ 64 (wgmma's M); below that plain tl.dot is better.
 _NARROW = GemmTiles(32, 256, 4, 3, swap_ab=False)
 _WIDE = GemmTiles(64, 128, 4, 3)
-DECODE_TILES: tuple[tuple[int, MoeTiles], ...] = (
+SMALL_BATCH_TILES: tuple[tuple[int, MoeTiles], ...] = (
     (16, MoeTiles(16, _WIDE, _NARROW, small_routing=True)),
     (64, MoeTiles(32, _WIDE, _WIDE, small_routing=True)),
 )
@@ -93,7 +93,7 @@ _TABLE_CHUNK = 64  # row blocks per step when writing the block table
 
 def tiles_for(num_tokens: int, num_experts: int, top_k: int = 4) -> MoeTiles:
     """Decode tiles by token count; prefill tiles by the mean rows per expert."""
-    for max_tokens, tiles in DECODE_TILES:
+    for max_tokens, tiles in SMALL_BATCH_TILES:
         if num_tokens <= max_tokens:
             return tiles
     rows_per_expert = num_tokens * top_k / num_experts
