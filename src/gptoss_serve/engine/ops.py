@@ -30,36 +30,29 @@ class Ops:
     is_graph_safe: bool
 
 
+@functools.cache
 def kernel_ops(*, pdl: bool) -> Ops:
     """The kernels; ``pdl``: the norms, GEMVs, RoPE, decode attention and the MoE's decode
     path as programmatic dependent launches (kernels/launch.py; bench/pdl_step.py: the 120b
     batch-1 step 2.76 -> 2.59 ms on the H200, batch 64 unchanged, batch 8 2% slower)."""
-    if not pdl:
-        return KERNEL_OPS
+
+    def launched(op: Callable) -> Callable:
+        return functools.partial(op, pdl=True) if pdl else op
+
     return Ops(
         name="kernels",
-        linear=functools.partial(linear.linear, pdl=True),
-        fused_add_rms_norm=functools.partial(norm.fused_add_rms_norm, pdl=True),
-        rope_and_cache_write=functools.partial(rope.rope_and_cache_write, pdl=True),
-        attention_decode=functools.partial(attention.paged_attention_decode, pdl=True),
+        linear=launched(linear.linear),
+        fused_add_rms_norm=launched(norm.fused_add_rms_norm),
+        rope_and_cache_write=launched(rope.rope_and_cache_write),
+        attention_decode=launched(attention.paged_attention_decode),
         attention_prefill=attention.paged_attention_prefill,
-        moe=functools.partial(moe.mxfp4_moe, pdl=True),
+        moe=launched(moe.mxfp4_moe),
         sample_tokens=sampling.sample_tokens,
         is_graph_safe=True,
     )
 
 
-KERNEL_OPS = Ops(
-    name="kernels",
-    linear=linear.linear,
-    fused_add_rms_norm=norm.fused_add_rms_norm,
-    rope_and_cache_write=rope.rope_and_cache_write,
-    attention_decode=attention.paged_attention_decode,
-    attention_prefill=attention.paged_attention_prefill,
-    moe=moe.mxfp4_moe,
-    sample_tokens=sampling.sample_tokens,
-    is_graph_safe=True,
-)
+KERNEL_OPS = kernel_ops(pdl=False)
 
 REFERENCE_OPS = Ops(
     name="reference",

@@ -91,7 +91,7 @@ def linear_triton(
         x, weight, weight if bias is None else bias, out, num_tokens, num_rows, x.stride(0),
         out.stride(0), K=k, K_PAD=triton.next_power_of_2(k),
         T_PAD=triton.next_power_of_2(num_tokens), BN=tiles.rows, HAS_BIAS=bias is not None,
-        OUT_FP32=out_dtype == torch.float32, PDL=pdl and not interpreting,
-        INTERPRET=interpreting, num_warps=tiles.num_warps, launch_pdl=pdl and not interpreting,
+        OUT_FP32=out_dtype == torch.float32, PDL=pdl, INTERPRET=interpreting,
+        num_warps=tiles.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

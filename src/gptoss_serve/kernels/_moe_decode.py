@@ -19,8 +19,8 @@ PDL (programmatic dependent launch, optional; kernels/launch.py): each of the th
 (griddepcontrol.wait) before it reads or writes anything, and lets the next kernel launch
 only once its own weight stream is done (griddepcontrol.launch_dependents after the GEMV
 loop): next kernels' programs launched at the start sit beside the stream and slowed the
-T = 1 MoE from 36 to 55 us a layer. (An earlier variant had down
-prefetch its experts' rows into L2 before its wait: 54.8 against 36.4 us a layer at T = 1.)
+T = 1 MoE from 36 to 55 us a layer. (An earlier variant had down prefetch its experts' rows
+into L2 before its wait: 54.8 against 36.4 us a layer at T = 1.)
 """
 
 # Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.

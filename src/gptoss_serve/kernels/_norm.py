@@ -35,12 +35,12 @@ def _fused_add_rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    if PDL:  # the norm weight is no earlier kernel's output: loaded before the wait
+    if PDL:
         gdc_launch_dependents()
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # The norm weight is no earlier kernel's output: with PDL it is loaded before the wait.
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
         gdc_wait()
-    else:
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     out_dtype = new_residual_ptr.dtype.element_ty
     if HAS_RESIDUAL:

@@ -3,10 +3,13 @@
 A decode step is ~300 short kernels in a row, each of which, launched plainly, starts only
 once the one before has drained: its launch, its first loads from HBM and the previous
 kernel's tail do not overlap. Launched with PDL (Hopper on), a kernel's programs may start
-as soon as every program of the kernel before has begun (``gdc_launch_dependents``, first
-thing in each of our kernels); they do what needs nothing from earlier kernels (the GEMVs
-load their weights, the norms their gains) and then wait in ``gdc_wait`` until the previous
-kernel has finished and its writes are visible.
+as soon as every program of the kernel before has called ``gdc_launch_dependents``; they do
+what needs nothing from earlier kernels (the GEMVs load their weights, the norms their gains)
+and then wait in ``gdc_wait`` until the previous kernel has finished and its writes are
+visible. Where each kernel calls ``gdc_launch_dependents`` was measured (bench/pdl_step.py):
+the GEMVs and norms at their start, RoPE and attention after their wait, the MoE decode
+kernels after their GEMV loop (earlier, kernels launched several ahead sat waiting beside
+the MoE's weight stream and slowed it 1.5x).
 
 The rule that keeps this correct: every kernel launched with PDL calls ``gdc_wait`` in every
 program before it reads anything an earlier kernel wrote and before it writes anything. Then
