@@ -98,6 +98,10 @@ class InputBatch:
         # Recorded after a step's uploads: the pinned host buffers may be refilled only once
         # those copies ran (a step that reads its tokens back has waited for them anyway).
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+        # A padded (CUDA-graph) step's device views depend only on its size and its number of
+        # sampled rows: made once each, since building them is most of a step's host time.
+        self._padded_views: dict[tuple[int, int], tuple[torch.Tensor, AttentionMetadata,
+                                                        torch.Tensor]] = {}  # fmt: skip
 
     def prepare(self, output: SchedulerOutput, *, decode_rows: int | None = None) -> StepInputs:
         """``decode_rows``: pad an all-decode step to this many rows (a captured graph's size);
@@ -115,21 +119,54 @@ class InputBatch:
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._fill_rows(output, total_rows)
-        metadata = self._metadata(output, total_rows, padded)
         sampled = [i for i, s in enumerate(scheduled) if s.is_sampled]
         row_ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         self.rows.np["logits_indices"][: len(sampled)] = row_ends[sampled] if sampled else []
+        if padded:
+            self._fill_lens_and_tables(output, total_rows)
+            for table in self.decode_tables:  # full rows: one contiguous copy each
+                table.upload(total_rows)
+            input_ids, metadata, logits_indices = self._views_of_padded(total_rows, len(sampled))
+        else:
+            metadata = self._metadata(output, total_rows)
+            input_ids = self.rows.view("input_ids", total_rows)
+            logits_indices = self.rows.view("logits_indices", len(sampled))
         self.rows.upload()
         self.lens.upload()
         inputs = StepInputs(
-            input_ids=self.rows.view("input_ids", total_rows),
+            input_ids=input_ids,
             metadata=metadata,
-            logits_indices=self.rows.view("logits_indices", len(sampled)),
+            logits_indices=logits_indices,
             sampled_request_ids=tuple(scheduled[i].request_id for i in sampled),
         )
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs
+
+    def _views_of_padded(
+        self, rows: int, num_sampled: int
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, metadata, logits_indices) device views of an all-decode step padded to
+        ``rows``: the whole tables' width, lengths bounded by max_model_len, no prefills."""
+        key = (rows, num_sampled)
+        if key not in self._padded_views:
+            metadata = AttentionMetadata(
+                num_decodes=rows,
+                positions=self.rows.view("positions", rows),
+                slot_mapping=tuple(self.rows.view(name, rows) for name in self.slot_names),
+                decode_block_tables=tuple(t.device[:rows] for t in self.decode_tables),
+                decode_seq_lens=self.lens.view("decode_seq_lens", rows),
+                decode_max_seq_len=self.max_model_len,
+                prefill_block_tables=tuple(t.device[:0, :1] for t in self.prefill_tables),
+                prefill_seq_lens=self.lens.view("prefill_seq_lens", 0),
+                prefill_query_start_loc=self.lens.view("query_start_loc", 1),
+            )
+            self._padded_views[key] = (
+                self.rows.view("input_ids", rows),
+                metadata,
+                self.rows.view("logits_indices", num_sampled),
+            )
+        return self._padded_views[key]
 
     def _fill_rows(self, output: SchedulerOutput, total_rows: int) -> None:
         input_ids, positions = self.rows.np["input_ids"], self.rows.np["positions"]
@@ -160,18 +197,15 @@ class InputBatch:
         for group_slots in slots:
             group_slots[row:total_rows] = -1
 
-    def _metadata(
-        self, output: SchedulerOutput, total_rows: int, padded: bool
-    ) -> AttentionMetadata:
+    def _fill_lens_and_tables(self, output: SchedulerOutput, decode_rows: int) -> None:
+        """Host side of the lengths, row offsets and block tables (decode rows from
+        ``num_decodes`` to ``decode_rows`` are padding: length 0)."""
         num_decodes = output.num_decodes
         decodes = output.scheduled[:num_decodes]
         prefills = output.scheduled[num_decodes:]
-        decode_rows = total_rows if padded else num_decodes
         lens = self.lens.np
         lens["decode_seq_lens"][:num_decodes] = [s.seq_len for s in decodes]
         lens["decode_seq_lens"][num_decodes:decode_rows] = 0
-        decode_width = self.table_width if padded else _width(decodes)
-        prefill_width = _width(prefills)
         for group in range(self.num_groups):
             _fill_tables(self.decode_tables[group].np, decodes, group)
             _fill_tables(self.prefill_tables[group].np, prefills, group)
@@ -180,15 +214,24 @@ class InputBatch:
         lens["query_start_loc"][1 : len(prefills) + 1] = np.cumsum(
             [s.num_new_tokens for s in prefills], dtype=np.int64
         )
-        max_seq_len = self.max_model_len if padded else max((s.seq_len for s in decodes), default=0)
+
+    def _metadata(self, output: SchedulerOutput, total_rows: int) -> AttentionMetadata:
+        """An unpadded step's lengths and tables, filled and uploaded at the widths it needs."""
+        num_decodes = output.num_decodes
+        decodes = output.scheduled[:num_decodes]
+        prefills = output.scheduled[num_decodes:]
+        self._fill_lens_and_tables(output, num_decodes)
+        decode_width = _width(decodes)
+        prefill_width = _width(prefills)
+        max_seq_len = max((s.seq_len for s in decodes), default=0)
         return AttentionMetadata(
-            num_decodes=decode_rows,
+            num_decodes=num_decodes,
             positions=self.rows.view("positions", total_rows),
             slot_mapping=tuple(self.rows.view(name, total_rows) for name in self.slot_names),
             decode_block_tables=tuple(
-                t.upload(decode_rows, decode_width) for t in self.decode_tables
+                t.upload(num_decodes, decode_width) for t in self.decode_tables
             ),
-            decode_seq_lens=self.lens.view("decode_seq_lens", decode_rows),
+            decode_seq_lens=self.lens.view("decode_seq_lens", num_decodes),
             decode_max_seq_len=max_seq_len,
             prefill_block_tables=tuple(
                 t.upload(len(prefills), prefill_width) for t in self.prefill_tables
