@@ -1,0 +1,75 @@
+"""InputBatch on the CPU: a padded (CUDA-graph) step's buffers hold that step's values while
+its device views are made once and reused."""
+
+from __future__ import annotations
+
+import torch
+
+from gptoss_serve.engine.block_pool import BLOCK_SIZE
+from gptoss_serve.engine.input_batch import InputBatch
+from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+MAX_MODEL_LEN = 1024
+
+
+def _decode_step(step: int, contexts: list[int]) -> SchedulerOutput:
+    """One decode per context length; request i owns blocks 100·i + j of both groups."""
+    scheduled = tuple(
+        ScheduledRequest(
+            request_id=f"r{i}",
+            token_ids=(7 * step + i,),
+            num_computed_tokens=context,
+            block_ids=(tuple(range(100 * i, 100 * i + context // BLOCK_SIZE + 1)),) * 2,
+            new_block_ids=((), ()),
+            is_new=False,
+            is_sampled=True,
+        )
+        for i, context in enumerate(contexts)
+    )
+    return SchedulerOutput(
+        step=step, scheduled=scheduled, num_decodes=len(scheduled), preempted_request_ids=(),
+        finished_request_ids=(),
+    )  # fmt: skip
+
+
+def _batch() -> InputBatch:
+    return InputBatch(
+        max_num_tokens=64, max_num_seqs=8, max_model_len=MAX_MODEL_LEN, num_groups=2,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+
+
+def test_a_padded_step_reuses_its_views_and_writes_its_values() -> None:
+    batch = _batch()
+    first = batch.prepare(_decode_step(1, [40, 70, 5]), decode_rows=4)
+    second = batch.prepare(_decode_step(2, [41, 71, 6]), decode_rows=4)
+    assert second.metadata is first.metadata and second.input_ids is first.input_ids
+    assert second.sampled_request_ids == ("r0", "r1", "r2")
+    meta = second.metadata
+    assert second.input_ids.tolist() == [14, 15, 16, 0]  # padding row: token 0
+    assert meta.num_decodes == 4 and meta.decode_max_seq_len == MAX_MODEL_LEN
+    assert meta.positions.tolist() == [41, 71, 6, 0]
+    assert meta.decode_seq_lens.tolist() == [42, 72, 7, 0]  # padding row: length 0
+    for group in range(2):
+        slots = meta.slot_mapping[group].tolist()
+        # position p of request i: block 100·i + p // BLOCK_SIZE, offset p % BLOCK_SIZE
+        assert slots == [2 * BLOCK_SIZE + 41 % BLOCK_SIZE, 104 * BLOCK_SIZE + 71 % BLOCK_SIZE,
+                         200 * BLOCK_SIZE + 6, -1]  # fmt: skip
+        table = meta.decode_block_tables[group]
+        assert table.shape == (4, MAX_MODEL_LEN // BLOCK_SIZE)
+        assert table[1, :5].tolist() == [100, 101, 102, 103, 104]
+    assert meta.prefill_block_tables[0].shape == (0, 1)
+    assert meta.prefill_query_start_loc.tolist() == [0]
+
+
+def test_padded_and_unpadded_steps_agree_on_the_real_rows() -> None:
+    step = _decode_step(3, [33, 17])
+    padded = _batch().prepare(step, decode_rows=2).metadata
+    plain = _batch().prepare(step).metadata
+    assert torch.equal(padded.positions, plain.positions)
+    assert torch.equal(padded.decode_seq_lens, plain.decode_seq_lens)
+    for group in range(2):
+        assert torch.equal(padded.slot_mapping[group], plain.slot_mapping[group])
+        width = plain.decode_block_tables[group].shape[1]
+        assert torch.equal(padded.decode_block_tables[group][:, :width],
+                           plain.decode_block_tables[group])  # fmt: skip
