@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gptoss_serve.kernels.sampling import (
+    needs_nucleus,
     nucleus_mask,
     philox_uniform,
     sample_tokens,
@@ -81,6 +82,16 @@ def test_nucleus_is_the_fewest_tokens_reaching_top_p_with_ties() -> None:
         before = torch.cumsum(sorted_probs, -1) - sorted_probs
         expected = sorted(order[before < top_p].tolist())
         assert _nucleus_ids(logits, temperature, top_p).tolist() == expected
+
+
+def test_without_the_nucleus_every_row_keeps_all_its_tokens() -> None:
+    logits = _logits(8, 300, torch.float32, "cpu", pad=0)
+    params = _params(8, "cpu", top_p=1.0)
+    full = sample_tokens_reference(logits, *params)
+    assert torch.equal(sample_tokens_reference(logits, *params, nucleus=False), full)
+    assert torch.equal(sample_tokens(logits, *params, nucleus=False), full)
+    assert not needs_nucleus([1.0, 0.0, 0.7], [1.0, 0.5, 1.0])  # the greedy row's top_p: moot
+    assert needs_nucleus([1.0, 0.7], [1.0, 0.9])
 
 
 def test_philox_uniform_is_uniform_and_keyed_by_seed_and_step() -> None:
@@ -177,6 +188,19 @@ def test_kernel_interpreted(dtype: torch.dtype, chunk: int) -> None:
 
 
 @interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_interpreted_without_the_nucleus_search(dtype: torch.dtype) -> None:
+    """nucleus=False (no row samples with top_p < 1): the search is skipped, same tokens."""
+    sample_tokens_triton = pytest.importorskip(
+        "gptoss_serve.kernels._sampling"
+    ).sample_tokens_triton
+    logits = _logits(6, 1000, dtype, "cpu", pad=24)
+    params = _params(6, "cpu", top_p=1.0)
+    expected = sample_tokens_reference(logits, *params)
+    assert torch.equal(sample_tokens_triton(logits, *params, nucleus=False, chunk=512), expected)
+
+
+@interpreter
 def test_kernel_keeps_the_boundary_token_and_its_ties() -> None:
     sample_tokens_triton = pytest.importorskip(
         "gptoss_serve.kernels._sampling"
@@ -207,6 +231,11 @@ def test_gpu_matches_the_reference(rows: int, dtype: torch.dtype) -> None:
     assert torch.equal(greedy, logits.float().argmax(-1))
     # Same Philox numbers, same nucleus: the same tokens (barring a float near-tie).
     assert torch.equal(sample_tokens(logits, *params), sample_tokens_reference(logits, *params))
+    # Every row top_p = 1: the caller may skip the nucleus search (3 launches, not 11).
+    whole = _params(rows, "cuda", top_p=1.0)
+    expected = sample_tokens_reference(logits, *whole)
+    assert torch.equal(sample_tokens(logits, *whole, nucleus=False), expected)
+    assert torch.equal(sample_tokens(logits, *whole), expected)
 
 
 @pytest.mark.gpu

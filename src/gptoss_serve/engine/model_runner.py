@@ -20,7 +20,7 @@ from gptoss_serve.engine.kv_cache import KvCacheTensors
 from gptoss_serve.engine.ops import KERNEL_OPS, Ops
 from gptoss_serve.engine.scheduler_output import SchedulerOutput
 from gptoss_serve.engine.weights import ModelWeights
-from gptoss_serve.kernels.sampling import apply_token_bitmask
+from gptoss_serve.kernels.sampling import apply_token_bitmask, needs_nucleus
 
 logger = logging.getLogger(__name__)
 
@@ -121,4 +121,5 @@ class ModelRunner:
             tensor(sampling.top_p, torch.float32),
             tensor(sampling.seeds, torch.int64),
             tensor(sampling.steps, torch.int64),
+            nucleus=needs_nucleus(sampling.temperature, sampling.top_p),
         )
