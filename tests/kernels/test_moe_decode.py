@@ -91,7 +91,30 @@ def _decode_variants() -> list:
         DecodeTiles(gate_up_rows=64, gate_up_split=1, router_experts=2, ptx=False),
         DecodeTiles(pdl=True),
         DecodeTiles(gate_up_stages=2, gate_up_unroll=4, down_stages=3, down_unroll=2),
+        DecodeTiles(
+            group_columns=True,
+            gate_up_rows=16,
+            gate_up_split=1,
+            gate_up_warps=1,
+            down_rows=16,
+            down_split=1,
+            down_warps=1,
+        ),
     ]
+
+
+@interpreter
+@pytest.mark.parametrize("num_tokens", [1, 20])
+def test_interpreter_grouped_columns(num_tokens: int) -> None:
+    """Pairs grouped by expert: 20 tokens over 8 experts put ~10 pairs on an expert, so an
+    expert takes two groups of columns; poisoned scratch, the router's own routing."""
+    from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
+
+    tiles = _moe_small.DecodeTiles(
+        group_columns=True, gate_up_rows=32, gate_up_split=1, down_rows=16, down_split=1
+    )
+    check_decode_routing(random_x(num_tokens, 160, seed=41), random_weights(8, 160, 96, seed=40),
+                         tiles)  # fmt: skip
 
 
 @interpreter
@@ -194,3 +217,35 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
         router |= dict(TOP_K=4, ROUTE=tiles.route_in_router)
         ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
         assert ".local" not in ptx
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
+def test_grouped_columns_kernels_compile_for_sm90() -> None:
+    """The expert-grouped path at 120b shapes and its table's tiles: cp.async into mma.sync,
+    no local memory; the grouping kernel for 64 tokens (256 pairs)."""
+    from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
+
+    tiles = decode_tiles_for(64)
+    assert tiles.group_columns
+    steps = {k: v for k, v in split_plan(2880, 1).items() if k in ("STEPS", "FULL_STEPS")}
+    pointers = {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16"}
+    pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8", "routing_weights_ptr": "*fp32"}
+    pointers |= {"y_ptr": "*fp32"}
+    common = dict(TOP_K=4, PTX=True, PDL=False, INTERPRET=False) | steps
+    for kernel, constexprs, warps, stages in [
+        (_moe_columns._columns_gate_up_kernel,
+         dict(H=2880, N=5760, BN=tiles.gate_up_rows, NUM_STAGES=tiles.gate_up_stages) | common,
+         tiles.gate_up_warps, tiles.gate_up_stages),
+        (_moe_columns._columns_down_kernel,
+         dict(N=2880, K=2880, BN=tiles.down_rows, NUM_STAGES=tiles.down_stages) | common,
+         tiles.down_warps, tiles.down_stages),
+    ]:  # fmt: skip
+        ptx = compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
+        assert "cp.async" in ptx and "mma.sync" in ptx and "mul.rn.bf16x2" in ptx
+        assert ".local" not in ptx
+    g_max = _moe_columns.max_groups(256, 128)
+    group = dict(G_MAX=g_max, P_PAD=256, E_PAD=128, FILL=2048, PDL=False)
+    ptx = compile_sm90(_moe_columns._group_kernel, group, {}, dict(num_warps=8))
+    assert ".local" not in ptx

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from gptoss_serve.kernels import _moe_columns as columns
 from gptoss_serve.kernels import _moe_decode as decode
+from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_gemv as gemv
 from gptoss_serve.kernels.moe import MoeWeights
 
@@ -54,6 +56,10 @@ class DecodeTiles:
     # The routing from the router's last program (once) rather than a top-4 in every gate_up
     # program: that tail costs the router ~2 us, which the GEMVs win back from T ~ 8 on.
     route_in_router: bool = True
+    # Pairs grouped by expert (_moe_columns.py): each expert's rows decoded once for up to 8
+    # pairs (the MMA's columns). The GEMV tiles are then gate_up_rows / down_rows rows (split
+    # 1), with the same warps and stages; the routing must come from the router.
+    group_columns: bool = False
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
 
@@ -67,6 +73,15 @@ class DecodeTiles:
                 raise ValueError(f"{name} must be a power of two ≥ 16 (down: · k), got {rows}")
         if self.gate_up_rows < 2:
             raise ValueError("gate_up_rows must cover a (gate, up) pair")
+        if self.group_columns and not (
+            self.route_in_router and self.gate_up_split == self.down_split == 1
+            and self.down_rows >= 16 and not self.down_rows & (self.down_rows - 1)
+            and self.gate_up_unroll == self.down_unroll == 1
+        ):  # fmt: skip
+            raise ValueError(
+                "group_columns needs route_in_router, split 1, unroll 1 and down_rows a power "
+                f"of two >= 16, got {self}"
+            )
 
 
 # By token count (first entry with T ≤ its bound), from bench/moe_profile.py on the H200 (v2,
@@ -80,9 +95,20 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # us (bench/moe_profile.py, H200). At 16-64 tokens the same tiles were within noise or
     # slower (T = 32: 609 -> 624 us), so the old ones stay there.
     (8, DecodeTiles(gate_up_rows=64, gate_up_stages=2, gate_up_unroll=2, down_warps=2)),
+    (16, DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4)),
+    # From 17 tokens the pairs share experts enough to group them (_moe_columns.py): gate_up +
+    # down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us; at 16 they tie, at 8 the
+    # per-pair kernels win (bench/moe_grouped_decode.py, H200, before tuning these tiles).
     (
         DECODE_MAX_TOKENS,
-        DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4),
+        DecodeTiles(
+            group_columns=True,
+            gate_up_rows=32,
+            gate_up_split=1,
+            down_rows=32,
+            down_split=1,
+            down_warps=2,
+        ),
     ),
 )
 
@@ -155,6 +181,12 @@ def mxfp4_moe_decode(
     h = _scratch((num_tokens * top_k, weights.intermediate_size), torch.bfloat16, device, poison)
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
+    if tiles.group_columns:
+        launch_columns(
+            weights, x_thread, ids, gates, h=h, out=out, tiles=tiles, alpha=alpha, limit=limit,
+            poison=poison,
+        )  # fmt: skip
+        return DecodeResult(out, ids, gates, logits)
     gemv_logits = None if routed_here else logits  # None: the GEMVs read ids/gates
     launch_gate_up(
         weights, x_thread, gemv_logits, ids, gates, h=h, tiles=tiles, alpha=alpha, limit=limit
@@ -247,6 +279,67 @@ def launch_down(
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
     )  # fmt: skip
+
+
+def launch_columns(
+    weights: MoeWeights,
+    x_thread: torch.Tensor,
+    ids: torch.Tensor,
+    gates: torch.Tensor,
+    *,
+    h: torch.Tensor,
+    out: torch.Tensor,
+    tiles: DecodeTiles,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    poison: bool = False,
+) -> None:
+    """out [T, H] from x_thread and the routing ``ids``/``gates`` [T, k], the pairs grouped by
+    expert (_moe_columns.py): group, gate_up, down into per-pair rows, the sum over each
+    token's pairs. Four launches, a fixed grid, no host sync."""
+    num_tokens, hidden = x_thread.shape
+    top_k, inter = ids.shape[1], weights.intermediate_size
+    num_pairs = num_tokens * top_k
+    pdl = _pdl(tiles)
+    device = x_thread.device
+    g_max = columns.max_groups(num_pairs, weights.num_experts)
+    group_expert = torch.empty(g_max, dtype=torch.int32, device=device)
+    group_pairs = torch.empty(g_max, columns.COLUMNS.value, dtype=torch.int32, device=device)
+    columns._group_kernel[(1,)](
+        ids, group_expert, group_pairs, num_pairs, G_MAX=g_max, P_PAD=_pow2(num_pairs),
+        E_PAD=_pow2(weights.num_experts), FILL=_pow2(g_max * columns.COLUMNS.value), PDL=pdl,
+        num_warps=8, launch_pdl=pdl,
+    )  # fmt: skip
+    rows = tiles.gate_up_rows
+    columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
+        x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
+        weights.gate_up_bias, h, alpha, limit, H=hidden, N=2 * inter, TOP_K=top_k, BN=rows,
+        **_full_steps(hidden), NUM_STAGES=tiles.gate_up_stages,
+        PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
+        num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=pdl,
+    )  # fmt: skip
+    y = _scratch((num_pairs, hidden), torch.float32, device, poison)
+    rows = tiles.down_rows
+    columns._columns_down_kernel[(triton.cdiv(hidden, rows), g_max)](
+        h, group_expert, group_pairs, gates, weights.down_blocks, weights.down_scales,
+        weights.down_bias, y, y.stride(0), N=hidden, K=inter, TOP_K=top_k, BN=rows,
+        **_full_steps(inter), NUM_STAGES=tiles.down_stages,
+        PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
+    )  # fmt: skip
+    gemm._sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](
+        y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=_SUM_BLOCK,
+        INTERPRET=_interpreting(),
+    )  # fmt: skip
+
+
+_SUM_BLOCK = 1024
+
+
+def _full_steps(k: int) -> dict[str, int]:
+    """STEPS / FULL_STEPS of an unsplit, not unrolled K."""
+    plan = split_plan(k, 1)
+    return {"STEPS": plan["STEPS"], "FULL_STEPS": plan["FULL_STEPS"]}
 
 
 def split_plan(k: int, split: int, unroll: int = 1) -> dict[str, int]:
