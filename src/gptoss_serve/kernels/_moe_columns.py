@@ -5,7 +5,7 @@ rows even when other pairs of the batch chose the same expert, and the n8 MMA ca
 two useful activation columns. From ~32 tokens on the pairs share experts (64 tokens: 256 pairs
 over ~111 experts), so here a program takes (row tile, group), a group being one expert and up
 to 8 of its pairs, whose activations fill the MMA's 8 columns: each expert's rows are decoded
-once per 8 pairs (bench/moe_grouped_decode.py measured the idea first).
+once per 8 pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
 
 1. ``_group_kernel`` (one program): the routing's pairs sorted by expert (stable) and cut into
    groups of up to 8: ``group_expert`` [G_MAX] (-1 past the last group) and ``group_pairs``

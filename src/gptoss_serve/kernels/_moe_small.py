@@ -98,7 +98,7 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (16, DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4)),
     # From 17 tokens the pairs share experts enough to group them (_moe_columns.py): gate_up +
     # down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us; at 16 they tie, at 8 the
-    # per-pair kernels win (bench/moe_grouped_decode.py, H200, before tuning these tiles).
+    # per-pair kernels win (bench/RESULTS.md v5, H200; these tiles are not tuned yet).
     (
         DECODE_MAX_TOKENS,
         DecodeTiles(
