@@ -221,6 +221,7 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_grouped_columns_kernels_compile_for_sm90() -> None:
     """The expert-grouped path at 120b shapes and its table's tiles: cp.async into mma.sync,
     no local memory; the grouping kernel for 64 tokens (256 pairs)."""
