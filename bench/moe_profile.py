@@ -228,6 +228,35 @@ def sweep(weights: MoeWeights, case: Case, nbytes: dict, rows: list, report: lis
     return dataclasses.asdict(tiles)
 
 
+# The expert-grouped path (_moe_columns.py): (rows, warps, stages) of gate_up with the table's
+# down, then of down with the best gate_up; each timed as the whole decode MoE.
+COLUMNS_VARIANTS = [
+    (32, 2, 4), (16, 1, 4), (16, 2, 4), (32, 1, 4), (32, 4, 4), (64, 2, 4), (64, 4, 4),
+    (32, 2, 3), (32, 2, 6),
+]  # fmt: skip
+
+
+def sweep_columns(weights: MoeWeights, case: Case, nbytes: dict, rows: list, report: list) -> dict:
+    """Tiles of the grouped-columns path, timed as the whole decode MoE; returns the best."""
+    tokens = case.xs[0].shape[0]
+    best = small.decode_tiles_for(tokens)
+    for stage in ("gate_up", "down"):
+        timings = {}
+        for shape in COLUMNS_VARIANTS:
+            r, w, st = shape
+            fields = {f"{stage}_rows": r, f"{stage}_warps": w, f"{stage}_stages": st}
+            tiles = dataclasses.replace(best, **fields)
+            us = timed(lambda i, t=tiles: small.mxfp4_moe_decode(case.xs[i], weights, tiles=t))
+            timings[shape] = (us, tiles)
+            note = f"columns {stage} rows,warps,stages=" + ",".join(map(str, shape))
+            rows.append(("sweep columns", tokens, us, nbytes["total"],
+                         nbytes["total"] / (us * 1e-6) / 1e12, note))  # fmt: skip
+            report.append({"stage": f"columns {stage}", "tokens": tokens, "variant": shape,
+                           "us": us})  # fmt: skip
+        best = min(timings.values(), key=lambda pair: pair[0])[1]
+    return dataclasses.asdict(best)
+
+
 def ncu_launches(weights: MoeWeights, variants: list[str]) -> None:
     """For Nsight Compute: each decode kernel launched twice at T = 1 and 16 for each tile
     variant ("default", or "u<n>": gate_up and down unrolled n steps), the second launch inside
@@ -291,7 +320,10 @@ def main() -> int:
             for stage, us in grouped_stages(weights, case).items():
                 rows.append((f"grouped {stage}", tokens, us, old_bytes[stage],
                              old_bytes[stage] / (us * 1e-6) / 1e12, ""))  # fmt: skip
-        if tokens in sweep_tokens:
+        if tokens in sweep_tokens and tiles.group_columns:
+            results["best_tiles"][tokens] = sweep_columns(weights, case, nbytes, rows,
+                                                          results["sweep"])  # fmt: skip
+        elif tokens in sweep_tokens:
             results["best_tiles"][tokens] = sweep(weights, case, nbytes, rows, results["sweep"])
         del case
         torch.cuda.empty_cache()

@@ -98,14 +98,16 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (16, DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4)),
     # From 17 tokens the pairs share experts enough to group them (_moe_columns.py): gate_up +
     # down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us; at 16 they tie, at 8 the
-    # per-pair kernels win (bench/RESULTS.md v5, H200; these tiles are not tuned yet).
+    # per-pair kernels win (bench/RESULTS.md v5, H200). 64-row tiles for both (2 warps, 4
+    # stages), from moe_profile.py's columns sweep: the whole MoE at 24 / 32 / 64 tokens
+    # 455 / 530 / 745 -> ~415 / 470 / 651 us against 32-row tiles.
     (
         DECODE_MAX_TOKENS,
         DecodeTiles(
             group_columns=True,
-            gate_up_rows=32,
+            gate_up_rows=64,
             gate_up_split=1,
-            down_rows=32,
+            down_rows=64,
             down_split=1,
             down_warps=2,
         ),
