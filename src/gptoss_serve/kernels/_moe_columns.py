@@ -77,6 +77,21 @@ def _group_columns(group_expert_ptr, group_pairs_ptr, group, TOP_K: tl.constexpr
 
 
 @triton.jit
+def _expert_rows(blocks_ptr, scales_ptr, expert, n0, N: tl.constexpr, K: tl.constexpr,
+                 BN: tl.constexpr):  # fmt: skip
+    """The GEMV slots of rows [n0, n0 + BN) of ``expert``'s [N, K] MXFP4 matrix, unsplit:
+    (block pointers, scale pointers, valid groups per slot, group lane t)."""
+    G: tl.constexpr = K // 32
+    rows, t = _tile_slots(BN)
+    row = n0 + rows
+    row_groups = tl.where(row < N, G, 0)
+    row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
+    block_rows = blocks_ptr + expert * (N * K // 2) + row * (K // 2) + 16 * t
+    scale_rows = scales_ptr + expert * (N * G) + row * G + t
+    return block_rows, scale_rows, row_groups, t
+
+
+@triton.jit
 def _columns_gate_up_kernel(
     x_thread_ptr, group_expert_ptr, group_pairs_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr,
     alpha, limit,
@@ -94,12 +109,9 @@ def _columns_gate_up_kernel(
     )
     if expert < 0:
         return
-    rows, t = _tile_slots(BN)
-    row = n0 + rows
-    row_groups = tl.where(row < N, G, 0)
-    row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
-    block_rows = blocks_ptr + expert * (N * H // 2) + row * (H // 2) + 16 * t
-    scale_rows = scales_ptr + expert * (N * G) + row * G + t
+    block_rows, scale_rows, row_groups, t = _expert_rows(
+        blocks_ptr, scales_ptr, expert, n0, N, H, BN
+    )
     acc = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * H,
         tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
@@ -137,12 +149,9 @@ def _columns_down_kernel(
     )
     if expert < 0:
         return
-    rows, t = _tile_slots(BN)
-    row = n0 + rows
-    row_groups = tl.where(row < N, G, 0)
-    row = tl.minimum(row, N - 1)
-    block_rows = blocks_ptr + expert * (N * K // 2) + row * (K // 2) + 16 * t
-    scale_rows = scales_ptr + expert * (N * G) + row * G + t
+    block_rows, scale_rows, row_groups, t = _expert_rows(
+        blocks_ptr, scales_ptr, expert, n0, N, K, BN
+    )
     col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * K
     acc = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),

@@ -329,13 +329,19 @@ def launch_columns(
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
     )  # fmt: skip
+    sum_pairs(y, out, top_k)
+
+
+_SUM_BLOCK = 1024
+
+
+def sum_pairs(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
+    """out [T, H] (bf16) = Σ_slot y[t·k + slot] (y [T·k, H] fp32), in slot order."""
+    num_tokens, hidden = out.shape
     gemm._sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](
         y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=_SUM_BLOCK,
         INTERPRET=_interpreting(),
     )  # fmt: skip
-
-
-_SUM_BLOCK = 1024
 
 
 def _full_steps(k: int) -> dict[str, int]:

@@ -31,6 +31,7 @@ from gptoss_serve.kernels._moe_small import (
     DecodeTiles,
     decode_tiles_for,
     mxfp4_moe_decode,
+    sum_pairs,
 )
 from gptoss_serve.kernels.moe import MoeWeights
 
@@ -86,7 +87,6 @@ PREFILL_TILES: tuple[tuple[float, MoeTiles], ...] = (
     (112, MoeTiles(128, _PREFILL[1], _PREFILL[1], small_routing=False)),
     (math.inf, MoeTiles(256, _PREFILL[2], _PREFILL[2], small_routing=False)),
 )
-_SUM_BLOCK = 1024
 _GROUP_BLOCK = 1024  # pairs per program of the prefill count/scatter kernels
 _TABLE_CHUNK = 64  # row blocks per step when writing the block table
 
@@ -319,11 +319,7 @@ def _experts(
         block_m=tiles.block_m, gemm_tiles=tiles.down, n=hidden, k=inter, max_blocks=max_blocks,
         ptx=ptx,
     )  # fmt: skip
-    grid = (num_tokens, triton.cdiv(hidden, _SUM_BLOCK))
-    gemm._sum_pairs_kernel[grid](
-        y, out, hidden, y.stride(0), out.stride(0),
-        TOP_K=top_k, BLOCK=_SUM_BLOCK, INTERPRET=_interpreting(),
-    )  # fmt: skip
+    sum_pairs(y, out, top_k)
     return out
 
 
