@@ -32,6 +32,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _moe_small as small
 from gptoss_serve.kernels import _moe_triton as grouped
+from gptoss_serve.kernels._moe_columns import GROUP_SIZES
 from gptoss_serve.kernels.moe import MoeWeights, route, router_logits_reference
 from kernels import commit, copy_tbps, graph_time_ms
 
@@ -232,23 +233,29 @@ def sweep(weights: MoeWeights, case: Case, nbytes: dict, rows: list, report: lis
 # down, then of down with the best gate_up; each timed as the whole decode MoE.
 COLUMNS_VARIANTS = [
     (32, 2, 4), (16, 1, 4), (16, 2, 4), (32, 1, 4), (32, 4, 4), (64, 2, 4), (64, 4, 4),
-    (32, 2, 3), (32, 2, 6),
+    (32, 2, 3), (32, 2, 6), (64, 2, 3), (128, 4, 4),
 ]  # fmt: skip
 
 
 def sweep_columns(weights: MoeWeights, case: Case, nbytes: dict, rows: list, report: list) -> dict:
-    """Tiles of the grouped-columns path, timed as the whole decode MoE; returns the best."""
+    """Tiles of the grouped-columns path, timed as the whole decode MoE: the group size, then
+    (rows, warps, stages) of gate_up and of down, each stage keeping the best so far."""
     tokens = case.xs[0].shape[0]
     best = small.decode_tiles_for(tokens)
-    for stage in ("gate_up", "down"):
+    stages = [("group", [(size,) for size in GROUP_SIZES])]
+    stages += [(stage, COLUMNS_VARIANTS) for stage in ("gate_up", "down")]
+    for stage, shapes in stages:
         timings = {}
-        for shape in COLUMNS_VARIANTS:
-            r, w, st = shape
-            fields = {f"{stage}_rows": r, f"{stage}_warps": w, f"{stage}_stages": st}
+        for shape in shapes:
+            if stage == "group":
+                fields = {"group_size": shape[0]}
+            else:
+                r, w, st = shape
+                fields = {f"{stage}_rows": r, f"{stage}_warps": w, f"{stage}_stages": st}
             tiles = dataclasses.replace(best, **fields)
             us = timed(lambda i, t=tiles: small.mxfp4_moe_decode(case.xs[i], weights, tiles=t))
             timings[shape] = (us, tiles)
-            note = f"columns {stage} rows,warps,stages=" + ",".join(map(str, shape))
+            note = f"columns {stage} " + ",".join(fields) + "=" + ",".join(map(str, shape))
             rows.append(("sweep columns", tokens, us, nbytes["total"],
                          nbytes["total"] / (us * 1e-6) / 1e12, note))  # fmt: skip
             report.append({"stage": f"columns {stage}", "tokens": tokens, "variant": shape,

@@ -104,15 +104,18 @@ def _decode_variants() -> list:
 
 
 @interpreter
-@pytest.mark.parametrize("num_tokens", [1, 20])
-def test_interpreter_grouped_columns(num_tokens: int) -> None:
+@pytest.mark.parametrize(("num_tokens", "group_size"), [(1, 8), (20, 8), (80, 16)])
+def test_interpreter_grouped_columns(num_tokens: int, group_size: int) -> None:
     """Pairs grouped by expert: 20 tokens over 8 experts put ~10 pairs on an expert, so an
-    expert takes two groups of columns; poisoned scratch, the router's own routing."""
+    expert takes two groups of 8 columns; 80 tokens (320 pairs) are routed by the prefill
+    router and grouped in two chunks, ~40 pairs an expert in groups of 16. Poisoned scratch,
+    the kernels' own routing."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
 
     tiles = _moe_small.DecodeTiles(
-        group_columns=True, gate_up_rows=32, gate_up_split=1, down_rows=16, down_split=1
-    )
+        group_columns=True, group_size=group_size, gate_up_rows=32, gate_up_split=1,
+        down_rows=16, down_split=1,
+    )  # fmt: skip
     check_decode_routing(random_x(num_tokens, 160, seed=41), random_weights(8, 160, 96, seed=40),
                          tiles)  # fmt: skip
 
@@ -152,7 +155,7 @@ def test_gpu_decode_bit_exact() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, "max", "max+1"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 100, "max", "max+1"])
 def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> None:
     """Through moe_experts_triton's dispatch, up to and just past the switch to the grouped
     path (DECODE_MAX_TOKENS)."""
@@ -163,7 +166,7 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 5, 16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 64, 65, 256])
 def test_gpu_decode_routing(gpu_weights: MoeWeights, num_tokens: int) -> None:
     check_decode_routing(random_x(num_tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
 
@@ -223,30 +226,37 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_grouped_columns_kernels_compile_for_sm90() -> None:
-    """The expert-grouped path at 120b shapes and its table's tiles: cp.async into mma.sync,
-    no local memory; the grouping kernel for 64 tokens (256 pairs)."""
+    """The expert-grouped path at 120b shapes and its table's tiles (8 and 16 columns):
+    cp.async into mma.sync, no local memory; the grouping kernel for 64 and 256 tokens."""
     from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
 
-    tiles = decode_tiles_for(64)
-    assert tiles.group_columns
     steps = {k: v for k, v in split_plan(2880, 1).items() if k in ("STEPS", "FULL_STEPS")}
     pointers = {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16"}
     pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8", "routing_weights_ptr": "*fp32"}
     pointers |= {"y_ptr": "*fp32"}
-    common = dict(TOP_K=4, PTX=True, PDL=False, INTERPRET=False) | steps
-    for kernel, constexprs, warps, stages in [
-        (_moe_columns._columns_gate_up_kernel,
-         dict(H=2880, N=5760, BN=tiles.gate_up_rows, NUM_STAGES=tiles.gate_up_stages) | common,
-         tiles.gate_up_warps, tiles.gate_up_stages),
-        (_moe_columns._columns_down_kernel,
-         dict(N=2880, K=2880, BN=tiles.down_rows, NUM_STAGES=tiles.down_stages) | common,
-         tiles.down_warps, tiles.down_stages),
-    ]:  # fmt: skip
-        ptx = compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
-        assert "cp.async" in ptx and "mma.sync" in ptx and "mul.rn.bf16x2" in ptx
+    for num_tokens in (64, 256):
+        tiles = decode_tiles_for(num_tokens)
+        assert tiles.group_columns
+        common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
+        common |= steps
+        for kernel, constexprs, warps, stages in [
+            (_moe_columns._columns_gate_up_kernel,
+             dict(H=2880, N=5760, BN=tiles.gate_up_rows, NUM_STAGES=tiles.gate_up_stages)
+             | common, tiles.gate_up_warps, tiles.gate_up_stages),
+            (_moe_columns._columns_down_kernel,
+             dict(N=2880, K=2880, BN=tiles.down_rows, NUM_STAGES=tiles.down_stages) | common,
+             tiles.down_warps, tiles.down_stages),
+        ]:  # fmt: skip
+            options = dict(num_warps=warps, num_stages=stages)
+            ptx = compile_sm90(kernel, constexprs, pointers, options)
+            assert "cp.async" in ptx and "mma.sync" in ptx and "mul.rn.bf16x2" in ptx
+            assert ".local" not in ptx
+        num_pairs = 4 * num_tokens
+        g_max = _moe_columns.max_groups(num_pairs, 128, tiles.group_size)
+        chunk = min(256, num_pairs)
+        group = dict(G_MAX=g_max, COLS=tiles.group_size, CHUNK=chunk,
+                     NUM_CHUNKS=num_pairs // chunk, E_PAD=128, PDL=False)  # fmt: skip
+        group |= dict(FILL=1 << (g_max * tiles.group_size - 1).bit_length())
+        ptx = compile_sm90(_moe_columns._group_kernel, group, {}, dict(num_warps=8))
         assert ".local" not in ptx
-    g_max = _moe_columns.max_groups(256, 128)
-    group = dict(G_MAX=g_max, P_PAD=256, E_PAD=128, FILL=2048, PDL=False)
-    ptx = compile_sm90(_moe_columns._group_kernel, group, {}, dict(num_warps=8))
-    assert ".local" not in ptx

@@ -3,14 +3,16 @@
 _moe_decode.py's GEMVs run one program per pair and row tile: a pair decodes its expert's
 rows even when other pairs of the batch chose the same expert, and the n8 MMA carries one or
 two useful activation columns. From ~32 tokens on the pairs share experts (64 tokens: 256 pairs
-over ~111 experts), so here a program takes (row tile, group), a group being one expert and up
-to 8 of its pairs, whose activations fill the MMA's 8 columns: each expert's rows are decoded
-once per 8 pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
+over ~111 experts; 256 tokens: ~8 pairs on each of the 128), so here a program takes (row
+tile, group), a group being one expert and up to COLS (8 or 16) of its pairs, whose
+activations fill one or two n8 MMAs' columns: each expert's rows are decoded once per COLS
+pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
 
 1. ``_group_kernel`` (one program): the routing's pairs sorted by expert (stable) and cut into
-   groups of up to 8: ``group_expert`` [G_MAX] (-1 past the last group) and ``group_pairs``
-   [G_MAX, 8] (-1 in unused columns). G_MAX bounds the groups of any routing, so the grid is
-   fixed (CUDA graphs); programs of unused groups return at once. No atomics: deterministic.
+   groups of up to COLS: ``group_expert`` [G_MAX] (-1 past the last group) and
+   ``group_pairs`` [G_MAX, COLS] (-1 in unused columns). G_MAX bounds the groups of any
+   routing, so the grid is fixed (CUDA graphs); programs of unused groups return at once. No
+   atomics: deterministic.
 2. ``_columns_gate_up_kernel``: h[pair] (thread order, bf16) for the BN rows of the group's
    expert, bias and clamped SwiGLU in the epilogue, one column per pair.
 3. ``_columns_down_kernel``: y[pair] fp32 = w_pair · (h_pair @ Wd[expert]^T + bd) for BN rows;
@@ -28,50 +30,62 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gptoss_serve.kernels._moe_common import _to_bf16
 from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _tile_slots
 
-COLUMNS = tl.constexpr(8)  # pairs per group: the n8 MMA's columns
+GROUP_SIZES = (8, 16)  # pairs per group: one n8 MMA's columns, or two
 
 
-def max_groups(num_pairs: int, num_experts: int) -> int:
-    """An upper bound of the groups of any routing of ``num_pairs`` pairs: Σ ceil(c_e / 8)
-    over the experts used is at most pairs / 8 + (one partial group per expert used)."""
-    return min(num_pairs, num_pairs // COLUMNS.value + min(num_experts, num_pairs))
+def max_groups(num_pairs: int, num_experts: int, group_size: int = 8) -> int:
+    """An upper bound of the groups of any routing of ``num_pairs`` pairs: Σ ceil(c_e / size)
+    over the experts used is at most pairs / size + (one partial group per expert used)."""
+    return min(num_pairs, num_pairs // group_size + min(num_experts, num_pairs))
 
 
 @triton.jit
 def _group_kernel(
     expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_pairs,
-    G_MAX: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr,
-    PDL: tl.constexpr,
+    G_MAX: tl.constexpr, COLS: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    E_PAD: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """Pairs in chunks of CHUNK (any count): pass 1 counts each expert's pairs, pass 2 ranks
+    each pair among the earlier pairs of its expert (within its chunk by a [CHUNK x CHUNK]
+    comparison, plus the expert's pairs of earlier chunks) and scatters it."""
     if PDL:  # the routing comes from the previous kernel
         gdc_wait()
         gdc_launch_dependents()
     fill = tl.arange(0, FILL)
-    tl.store(group_pairs_ptr + fill, -1, mask=fill < G_MAX * COLUMNS)
+    tl.store(group_pairs_ptr + fill, -1, mask=fill < G_MAX * COLS)
     tl.store(group_expert_ptr + fill, -1, mask=fill < G_MAX)
     tl.debug_barrier()  # the fill lands before the scatter below (same addresses)
-    pairs = tl.arange(0, P_PAD)
-    valid = pairs < num_pairs
-    experts = tl.load(expert_ids_ptr + pairs, mask=valid, other=E_PAD)  # padding: no expert
-    # Rank of each pair among the earlier pairs of its expert (a stable sort by expert).
-    same = (experts[:, None] == experts[None, :]) & (pairs[None, :] < pairs[:, None])
-    rank = tl.sum(same.to(tl.int32), axis=1)
-    # Groups of each expert (ceil(count / 8)), and where they start (experts in id order).
-    chosen = tl.arange(0, E_PAD)[:, None] == experts[None, :]  # [E_PAD, P_PAD]
-    counts = tl.sum(chosen.to(tl.int32), axis=1)
-    num_groups = (counts + COLUMNS - 1) // COLUMNS
+    expert_range = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for chunk in tl.range(0, NUM_CHUNKS):
+        pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+        experts = tl.load(expert_ids_ptr + pairs, mask=pairs < num_pairs, other=E_PAD)
+        counts += tl.sum((expert_range[:, None] == experts[None, :]).to(tl.int32), axis=1)
+    # Groups of each expert (ceil(count / COLS)), and where they start (experts in id order).
+    num_groups = (counts + COLS - 1) // COLS
     first_group = tl.cumsum(num_groups, 0) - num_groups
-    group = tl.sum(tl.where(chosen, first_group[:, None], 0), axis=0) + rank // COLUMNS
-    column = rank % COLUMNS
-    tl.store(group_pairs_ptr + group * COLUMNS + column, pairs, mask=valid)
-    tl.store(group_expert_ptr + group, experts, mask=valid & (column == 0))
+    seen = tl.zeros([E_PAD], tl.int32)  # each expert's pairs in the chunks done
+    for chunk in tl.range(0, NUM_CHUNKS):
+        pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+        valid = pairs < num_pairs
+        experts = tl.load(expert_ids_ptr + pairs, mask=valid, other=E_PAD)  # padding: none
+        chosen = expert_range[:, None] == experts[None, :]  # [E_PAD, CHUNK]
+        same = (experts[:, None] == experts[None, :]) & (pairs[None, :] < pairs[:, None])
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        rank += tl.sum(tl.where(chosen, seen[:, None], 0), axis=0)
+        group = tl.sum(tl.where(chosen, first_group[:, None], 0), axis=0) + rank // COLS
+        column = rank % COLS
+        tl.store(group_pairs_ptr + group * COLS + column, pairs, mask=valid)
+        tl.store(group_expert_ptr + group, experts, mask=valid & (column == 0))
+        seen += tl.sum(chosen.to(tl.int32), axis=1)
 
 
 @triton.jit
-def _group_columns(group_expert_ptr, group_pairs_ptr, group, TOP_K: tl.constexpr):
-    """(expert int64 (-1: unused group), pairs [8] (-1: unused), valid [8], tokens [8])."""
+def _group_columns(group_expert_ptr, group_pairs_ptr, group, TOP_K: tl.constexpr,
+                   COLS: tl.constexpr):  # fmt: skip
+    """(expert int64 (-1: unused group), pairs [COLS] (-1: unused), valid, tokens)."""
     expert = tl.load(group_expert_ptr + group).to(tl.int64)
-    pairs = tl.load(group_pairs_ptr + group * COLUMNS + tl.arange(0, COLUMNS))
+    pairs = tl.load(group_pairs_ptr + group * COLS + tl.arange(0, COLS))
     valid = pairs >= 0
     return expert, pairs, valid, tl.where(valid, pairs // TOP_K, 0)
 
@@ -96,6 +110,7 @@ def _columns_gate_up_kernel(
     x_thread_ptr, group_expert_ptr, group_pairs_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr,
     alpha, limit,
     H: tl.constexpr, N: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr,
+    COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -105,7 +120,7 @@ def _columns_gate_up_kernel(
     if PDL:
         gdc_wait()  # x_thread (router) and the groups
     expert, pairs, valid, tokens = _group_columns(
-        group_expert_ptr, group_pairs_ptr, tl.program_id(1), TOP_K
+        group_expert_ptr, group_pairs_ptr, tl.program_id(1), TOP_K, COLS
     )
     if expert < 0:
         return
@@ -120,11 +135,11 @@ def _columns_gate_up_kernel(
         gdc_launch_dependents()
     out_rows = n0 + tl.arange(0, BN)
     bias = tl.load(bias_ptr + expert * N + out_rows, mask=out_rows < N, other=0.0)
-    y = acc * ACC_SCALE + bias.to(tl.float32)[:, None]  # [BN, 8]: column c is pair c
-    gate, up = tl.split(tl.permute(tl.reshape(y, [BN // 2, 2, COLUMNS]), (0, 2, 1)))
+    y = acc * ACC_SCALE + bias.to(tl.float32)[:, None]  # [BN, COLS]: column c is pair c
+    gate, up = tl.split(tl.permute(tl.reshape(y, [BN // 2, 2, COLS]), (0, 2, 1)))
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = _to_bf16(gate * tl.sigmoid(alpha * gate) * (up + 1.0), INTERPRET)  # [BN/2, 8]
+    h = _to_bf16(gate * tl.sigmoid(alpha * gate) * (up + 1.0), INTERPRET)  # [BN/2, COLS]
     units = n0 // 2 + tl.arange(0, BN // 2)  # units j, stored at their thread-order position
     position = (units & ~7) | ((units & 1) << 2) | (units & 2) | ((units >> 2) & 1)
     ptrs = h_ptr + pairs.to(tl.int64)[None, :] * (N // 2) + position[:, None]
@@ -136,6 +151,7 @@ def _columns_down_kernel(
     h_ptr, group_expert_ptr, group_pairs_ptr, routing_weights_ptr, blocks_ptr, scales_ptr,
     bias_ptr, y_ptr, stride_y,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr,
+    COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -145,7 +161,7 @@ def _columns_down_kernel(
     if PDL:
         gdc_wait()  # h
     expert, pairs, valid, _ = _group_columns(
-        group_expert_ptr, group_pairs_ptr, tl.program_id(1), TOP_K
+        group_expert_ptr, group_pairs_ptr, tl.program_id(1), TOP_K, COLS
     )
     if expert < 0:
         return

@@ -1,4 +1,6 @@
-"""Host side of the decode-path MXFP4 MoE (T ≤ DECODE_MAX_TOKENS): tiles, buffers, 3 launches.
+"""Host side of the decode-path MXFP4 MoE (T ≤ DECODE_MAX_TOKENS): tiles, buffers, launches.
+
+Up to 16 tokens (per-pair GEMVs, 3 launches):
 
     _router_kernel   logits [T, E] fp32, x in thread order, and     (E / router_experts programs)
                      in its last program the top-k routing
@@ -9,7 +11,9 @@ No device-to-host sync (CUDA-graph capturable) and bitwise repeatable: the one a
 router's ticket, and the routing does not depend on which program draws the last one. Each
 (token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
 reads those rows more than once from L2 (not from HBM: the programs of one row tile run
-together, pairs fastest); past DECODE_MAX_TOKENS the grouped path of _moe_triton.py takes over.
+together, pairs fastest). From 17 tokens the pairs are grouped by expert (_moe_columns.py,
+``launch_columns``: 5 launches); past DECODE_MAX_TOKENS the grouped GEMMs of _moe_triton.py
+take over.
 See _moe_gemv.py for the tile layout and the decode, _moe_decode.py for the kernels.
 """
 
@@ -25,14 +29,16 @@ from gptoss_serve.kernels import _moe_columns as columns
 from gptoss_serve.kernels import _moe_decode as decode
 from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_gemv as gemv
+from gptoss_serve.kernels import _moe_routing as routing
 from gptoss_serve.kernels.moe import MoeWeights
 
-# Largest T routed to this path by mxfp4_moe_triton. From the sm_90 SASS (not yet timed): the
-# GEMV loop spends ~6.4 instructions per weight byte and every pair re-reads its expert (from
-# L2 when pairs share one), the grouped GEMMs ~21-26 per byte once per expert; at T = 64
-# (256 pairs, 111 experts) that is ~0.7 ms of issue against ~1.2 ms. bench/moe_profile.py
-# prints both paths per T to move the switch.
-DECODE_MAX_TOKENS = 64
+# Largest T routed to this path by mxfp4_moe_triton: up to here the grouped-columns GEMVs beat
+# the grouped GEMMs (bench/moe_profile.py prints both paths per T to move the switch).
+DECODE_MAX_TOKENS = 256
+# Largest T of _router_kernel (every program holds all T tokens' activations); above it the
+# prefill router (_moe_routing._router_topk_kernel: BLOCK_T tokens a program, on tl.dot)
+# writes the routing and a copy puts x in thread order.
+ROUTER_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class DecodeTiles:
     # pairs (the MMA's columns). The GEMV tiles are then gate_up_rows / down_rows rows (split
     # 1), with the same warps and stages; the routing must come from the router.
     group_columns: bool = False
+    group_size: int = 8  # pairs per group (group_columns): 8 (one n8 MMA) or 16 (two)
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
 
@@ -82,6 +89,8 @@ class DecodeTiles:
                 "group_columns needs route_in_router, split 1, unroll 1 and down_rows a power "
                 f"of two >= 16, got {self}"
             )
+        if self.group_size not in columns.GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {columns.GROUP_SIZES}, got {self}")
 
 
 # By token count (first entry with T ≤ its bound), from bench/moe_profile.py on the H200 (v2,
@@ -102,9 +111,34 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # stages), from moe_profile.py's columns sweep: the whole MoE at 24 / 32 / 64 tokens
     # 455 / 530 / 745 -> ~415 / 470 / 651 us against 32-row tiles.
     (
+        64,
+        DecodeTiles(
+            group_columns=True,
+            gate_up_rows=64,
+            gate_up_split=1,
+            down_rows=64,
+            down_split=1,
+            down_warps=2,
+        ),
+    ),
+    # 65-256 tokens (large decode batches; the grouped GEMMs took them before): the same tiles,
+    # 16 pairs a group once experts get ~8 pairs each (256 tokens).
+    (
+        128,
+        DecodeTiles(
+            group_columns=True,
+            gate_up_rows=64,
+            gate_up_split=1,
+            down_rows=64,
+            down_split=1,
+            down_warps=2,
+        ),
+    ),
+    (
         DECODE_MAX_TOKENS,
         DecodeTiles(
             group_columns=True,
+            group_size=16,
             gate_up_rows=64,
             gate_up_split=1,
             down_rows=64,
@@ -175,11 +209,13 @@ def mxfp4_moe_decode(
         x_thread = _scratch((num_tokens, hidden), torch.bfloat16, device, poison)
         logits = _scratch((num_tokens, weights.num_experts), torch.float32, device, poison)
         # The router's last program writes the routing once, or gate_up computes it from the
-        # logits (and writes it for down).
-        routed_here = routes_in_router(tiles)
+        # logits (and writes it for down). Past ROUTER_MAX_TOKENS the prefill router does.
+        routed_here = routes_in_router(tiles) or num_tokens > ROUTER_MAX_TOKENS
         launch_router(
             x, weights, logits, x_thread, tiles, ids=ids if routed_here else None, gates=gates
         )
+        if num_tokens > ROUTER_MAX_TOKENS:
+            logits = None  # not computed
     h = _scratch((num_tokens * top_k, weights.intermediate_size), torch.bfloat16, device, poison)
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
@@ -208,9 +244,15 @@ def launch_router(
     gates: torch.Tensor | None = None,
 ) -> None:
     """x [T, H] -> logits [T, E] fp32 and x_thread [T, H] (thread order); with ``ids`` and
-    ``gates`` [T, k] given, also the top-k routing into them."""
+    ``gates`` [T, k] given, also the top-k routing into them. Past ROUTER_MAX_TOKENS tokens:
+    the routing (``ids`` required) and x_thread only, through the prefill router."""
     num_tokens, hidden = x.shape
     route = ids is not None
+    if num_tokens > ROUTER_MAX_TOKENS:
+        if not route:
+            raise ValueError(f"past {ROUTER_MAX_TOKENS} tokens the router must write the routing")
+        _launch_wide_router(x, weights, x_thread, ids, gates)
+        return
     counter = weights.router_counter
     if route and counter is None:
         counter = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -224,6 +266,26 @@ def launch_router(
         BLOCK_E=block_e, BLOCK_K=block_k, TOP_K=ids.shape[1] if route else 1, ROUTE=route,
         PDL=_pdl(tiles), num_warps=4, launch_pdl=_pdl(tiles),
     )  # fmt: skip
+
+
+def _launch_wide_router(
+    x: torch.Tensor,
+    weights: MoeWeights,
+    x_thread: torch.Tensor,
+    ids: torch.Tensor,
+    gates: torch.Tensor,
+) -> None:
+    """Many tokens: the prefill router's top-k (tl.dot logits, BLOCK_T tokens a program) and x
+    copied into thread order."""
+    num_tokens, hidden = x.shape
+    top_k, num_experts = ids.shape[1], weights.num_experts
+    block_t = 32
+    routing._router_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+        x, weights.router_weight, weights.router_bias, ids, gates, num_tokens, num_experts,
+        x.stride(0), HIDDEN=hidden, TOP_K=top_k, K_PAD=_pow2(top_k), BLOCK_T=block_t,
+        E_PAD=max(16, _pow2(num_experts)), BLOCK_K=64, INTERPRET=_interpreting(),
+    )  # fmt: skip
+    x_thread.copy_(thread_order(x))
 
 
 def launch_gate_up(
@@ -304,18 +366,21 @@ def launch_columns(
     num_pairs = num_tokens * top_k
     pdl = _pdl(tiles)
     device = x_thread.device
-    g_max = columns.max_groups(num_pairs, weights.num_experts)
+    cols = tiles.group_size
+    g_max = columns.max_groups(num_pairs, weights.num_experts, cols)
     group_expert = torch.empty(g_max, dtype=torch.int32, device=device)
-    group_pairs = torch.empty(g_max, columns.COLUMNS.value, dtype=torch.int32, device=device)
+    group_pairs = torch.empty(g_max, cols, dtype=torch.int32, device=device)
+    chunk = min(_GROUP_CHUNK, _pow2(num_pairs))
     columns._group_kernel[(1,)](
-        ids, group_expert, group_pairs, num_pairs, G_MAX=g_max, P_PAD=_pow2(num_pairs),
-        E_PAD=_pow2(weights.num_experts), FILL=_pow2(g_max * columns.COLUMNS.value), PDL=pdl,
-        num_warps=8, launch_pdl=pdl,
+        ids, group_expert, group_pairs, num_pairs, G_MAX=g_max, COLS=cols, CHUNK=chunk,
+        NUM_CHUNKS=triton.cdiv(num_pairs, chunk), E_PAD=_pow2(weights.num_experts),
+        FILL=_pow2(g_max * cols), PDL=pdl, num_warps=8, launch_pdl=pdl,
     )  # fmt: skip
     rows = tiles.gate_up_rows
     columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
         weights.gate_up_bias, h, alpha, limit, H=hidden, N=2 * inter, TOP_K=top_k, BN=rows,
+        COLS=cols,
         **_full_steps(hidden), NUM_STAGES=tiles.gate_up_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=pdl,
@@ -324,7 +389,7 @@ def launch_columns(
     rows = tiles.down_rows
     columns._columns_down_kernel[(triton.cdiv(hidden, rows), g_max)](
         h, group_expert, group_pairs, gates, weights.down_blocks, weights.down_scales,
-        weights.down_bias, y, y.stride(0), N=hidden, K=inter, TOP_K=top_k, BN=rows,
+        weights.down_bias, y, y.stride(0), N=hidden, K=inter, TOP_K=top_k, BN=rows, COLS=cols,
         **_full_steps(inter), NUM_STAGES=tiles.down_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
@@ -333,6 +398,9 @@ def launch_columns(
 
 
 _SUM_BLOCK = 1024
+# Pairs per step of the grouping kernel: its [chunk x chunk] rank comparison stays in
+# registers (8 warps) up to 256.
+_GROUP_CHUNK = 256
 
 
 def sum_pairs(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
