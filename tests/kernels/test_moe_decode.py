@@ -6,6 +6,7 @@ the interpreter (small ragged shapes) and on the GPU (120b/20b shapes). Toleranc
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -227,7 +228,9 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_grouped_columns_kernels_compile_for_sm90() -> None:
     """The expert-grouped path at 120b shapes and its table's tiles (8 and 16 columns):
-    cp.async into mma.sync, no local memory; the grouping kernel for 64 and 256 tokens."""
+    cp.async into mma.sync, no local memory; the grouping kernel for 64 and 256 tokens.
+    Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too. (With 4 warps and
+    128 rows Triton turns 16 columns into a wgmma.)"""
     from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
 
@@ -235,9 +238,11 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
     pointers = {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16"}
     pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8", "routing_weights_ptr": "*fp32"}
     pointers |= {"y_ptr": "*fp32"}
-    for num_tokens in (64, 256):
+    for num_tokens, group_size in [(64, None), (256, None), (64, 16)]:
         tiles = decode_tiles_for(num_tokens)
         assert tiles.group_columns
+        if group_size:
+            tiles = dataclasses.replace(tiles, group_size=group_size)
         common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
         common |= steps
         for kernel, constexprs, warps, stages in [

@@ -34,7 +34,7 @@ from gptoss_serve.kernels.moe import MoeWeights
 
 # Largest T routed to this path by mxfp4_moe_triton: up to here the grouped-columns GEMVs beat
 # the grouped GEMMs (bench/moe_profile.py prints both paths per T to move the switch).
-DECODE_MAX_TOKENS = 256
+DECODE_MAX_TOKENS = 384
 # Largest T of _router_kernel (every program holds all T tokens' activations); above it the
 # prefill router (_moe_routing._router_topk_kernel: BLOCK_T tokens a program, on tl.dot)
 # writes the routing and a copy puts x in thread order.
@@ -121,8 +121,12 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
             down_warps=2,
         ),
     ),
-    # 65-256 tokens (large decode batches; the grouped GEMMs took them before): the same tiles,
-    # 16 pairs a group once experts get ~8 pairs each (256 tokens).
+    # 65-384 tokens (large decode batches; the grouped GEMMs took them before; H200,
+    # moe_profile.py's columns sweep at 128 and 256 tokens): groups of 8 pairs (16 was 13%
+    # slower at 256 tokens), 64-row tiles with 4 warps for down at 128 tokens, 128-row tiles
+    # with 4 warps for both at 256. Whole MoE per layer against the grouped GEMMs: 96 / 128 /
+    # 192 / 256 / 384 tokens 746 / 750 / 1,015 / 974 / 1,428 us against 1,507 / 1,557 /
+    # 1,583 / 1,600 / 1,769 us; at 512 they tie (1,794 / 1,788), so the switch sits at 384.
     (
         128,
         DecodeTiles(
@@ -131,19 +135,19 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
             gate_up_split=1,
             down_rows=64,
             down_split=1,
-            down_warps=2,
+            down_warps=4,
         ),
     ),
     (
         DECODE_MAX_TOKENS,
         DecodeTiles(
             group_columns=True,
-            group_size=16,
-            gate_up_rows=64,
+            gate_up_rows=128,
             gate_up_split=1,
-            down_rows=64,
+            gate_up_warps=4,
+            down_rows=128,
             down_split=1,
-            down_warps=2,
+            down_warps=4,
         ),
     ),
 )
