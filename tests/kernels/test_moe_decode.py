@@ -121,6 +121,31 @@ def test_interpreter_grouped_columns(num_tokens: int, group_size: int) -> None:
                          tiles)  # fmt: skip
 
 
+def check_groups(device: str, num_pairs: int, num_experts: int, group_size: int, seed: int):
+    """_group_kernel's table equals the torch reference's for a random routing, skewed so that
+    some experts take several groups and others none."""
+    from gptoss_serve.kernels import _moe_columns, _moe_small  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.rand(num_experts, generator=generator) ** 3
+    ids = torch.multinomial(weights, num_pairs, replacement=True, generator=generator)
+    ids = ids.to(torch.int32).reshape(-1, 4).to(device)
+    tiles = _moe_small.DecodeTiles(
+        group_columns=True, group_size=group_size, gate_up_split=1, down_rows=16, down_split=1
+    )
+    g_max = _moe_columns.max_groups(num_pairs, num_experts, group_size)
+    group_expert, group_pairs = _moe_small.group(ids, num_experts, tiles)
+    expected = _moe_columns.groups_reference(ids, num_experts, group_size, g_max)
+    assert torch.equal(group_expert.cpu(), expected[0])
+    assert torch.equal(group_pairs.cpu(), expected[1])
+
+
+@interpreter
+@pytest.mark.parametrize(("num_pairs", "group_size"), [(4, 8), (40, 8), (256, 8), (1536, 16)])
+def test_interpreter_groups(num_pairs: int, group_size: int) -> None:
+    check_groups("cpu", num_pairs, 128, group_size, seed=num_pairs)
+
+
 @interpreter
 def test_interpreter_decode_bit_exact() -> None:
     check_decode_bit_exact("cpu", (False,))
@@ -164,6 +189,12 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
 
     tokens = {"max": DECODE_MAX_TOKENS, "max+1": DECODE_MAX_TOKENS + 1}.get(num_tokens, num_tokens)
     check_against_reference(random_x(tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_pairs", "group_size"), [(68, 8), (1024, 8), (1536, 16)])
+def test_gpu_groups(num_pairs: int, group_size: int) -> None:
+    check_groups("cuda", num_pairs, 128, group_size, seed=fresh_seed())
 
 
 @pytest.mark.gpu
@@ -259,9 +290,8 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
             assert ".local" not in ptx
         num_pairs = 4 * num_tokens
         g_max = _moe_columns.max_groups(num_pairs, 128, tiles.group_size)
-        chunk = min(256, num_pairs)
-        group = dict(G_MAX=g_max, COLS=tiles.group_size, CHUNK=chunk,
-                     NUM_CHUNKS=num_pairs // chunk, E_PAD=128, PDL=False)  # fmt: skip
-        group |= dict(FILL=1 << (g_max * tiles.group_size - 1).bit_length())
+        group = dict(G_MAX=g_max, COLS=tiles.group_size, P_PAD=num_pairs, E_PAD=128,
+                     PDL=False)  # fmt: skip
+        group |= dict(FILL=min(4096, 1 << (g_max * tiles.group_size - 1).bit_length()))
         ptx = compile_sm90(_moe_columns._group_kernel, group, {}, dict(num_warps=8))
         assert ".local" not in ptx

@@ -8,7 +8,8 @@ tile, group), a group being one expert and up to COLS (8 or 16) of its pairs, wh
 activations fill one or two n8 MMAs' columns: each expert's rows are decoded once per COLS
 pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
 
-1. ``_group_kernel`` (one program): the routing's pairs sorted by expert (stable) and cut into
+1. ``_group_kernel`` (one program): the routing's pairs sorted by expert (stable; a bitonic
+   sort and three scans, so ~P log² P work rather than the P² of a rank matrix) and cut into
    groups of up to COLS: ``group_expert`` [G_MAX] (-1 past the last group) and
    ``group_pairs`` [G_MAX, COLS] (-1 in unused columns). G_MAX bounds the groups of any
    routing, so the grid is fixed (CUDA graphs); programs of unused groups return at once. No
@@ -23,6 +24,7 @@ pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
 # ruff: noqa: N803, N806, PLR0917
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -30,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gptoss_serve.kernels._moe_common import _to_bf16
 from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _tile_slots
 
-GROUP_SIZES = (8, 16)  # pairs per group: one n8 MMA's columns, or two
+GROUP_SIZES = (8, 16, 32, 64)  # pairs per group: one n8 MMA's columns, or more
 
 
 def max_groups(num_pairs: int, num_experts: int, group_size: int = 8) -> int:
@@ -39,45 +41,61 @@ def max_groups(num_pairs: int, num_experts: int, group_size: int = 8) -> int:
     return min(num_pairs, num_pairs // group_size + min(num_experts, num_pairs))
 
 
+def groups_reference(
+    expert_ids: torch.Tensor, num_experts: int, group_size: int, g_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``_group_kernel`` writes, in torch: (group_expert [g_max], group_pairs [g_max,
+    group_size]), -1 where unused; experts in id order, each expert's pairs in pair order."""
+    flat = expert_ids.reshape(-1).long().cpu()
+    group_expert = torch.full((g_max,), -1, dtype=torch.int32)
+    group_pairs = torch.full((g_max, group_size), -1, dtype=torch.int32)
+    group = 0
+    for expert in range(num_experts):
+        pairs = (flat == expert).nonzero().flatten()
+        for start in range(0, len(pairs), group_size):
+            chunk = pairs[start : start + group_size]
+            group_expert[group] = expert
+            group_pairs[group, : len(chunk)] = chunk.int()
+            group += 1
+    return group_expert, group_pairs
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
 @triton.jit
 def _group_kernel(
     expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_pairs,
-    G_MAX: tl.constexpr, COLS: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    E_PAD: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
+    G_MAX: tl.constexpr, COLS: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    FILL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Pairs in chunks of CHUNK (any count): pass 1 counts each expert's pairs, pass 2 ranks
-    each pair among the earlier pairs of its expert (within its chunk by a [CHUNK x CHUNK]
-    comparison, plus the expert's pairs of earlier chunks) and scatters it."""
+    """One sort of the keys expert · P_PAD + pair (unique, so the order is stable: an expert's
+    pairs in pair order), then scans: a pair's rank is its distance from its expert's first
+    sorted position (a running max of the run starts), a group starts at every rank that is a
+    multiple of COLS, and a running count of those numbers the groups."""
     if PDL:  # the routing comes from the previous kernel
         gdc_wait()
         gdc_launch_dependents()
-    fill = tl.arange(0, FILL)
-    tl.store(group_pairs_ptr + fill, -1, mask=fill < G_MAX * COLS)
-    tl.store(group_expert_ptr + fill, -1, mask=fill < G_MAX)
+    for f0 in tl.range(0, G_MAX * COLS, FILL):
+        fill = f0 + tl.arange(0, FILL)
+        tl.store(group_pairs_ptr + fill, -1, mask=fill < G_MAX * COLS)
+        tl.store(group_expert_ptr + fill, -1, mask=fill < G_MAX)
     tl.debug_barrier()  # the fill lands before the scatter below (same addresses)
-    expert_range = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], tl.int32)
-    for chunk in tl.range(0, NUM_CHUNKS):
-        pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-        experts = tl.load(expert_ids_ptr + pairs, mask=pairs < num_pairs, other=E_PAD)
-        counts += tl.sum((expert_range[:, None] == experts[None, :]).to(tl.int32), axis=1)
-    # Groups of each expert (ceil(count / COLS)), and where they start (experts in id order).
-    num_groups = (counts + COLS - 1) // COLS
-    first_group = tl.cumsum(num_groups, 0) - num_groups
-    seen = tl.zeros([E_PAD], tl.int32)  # each expert's pairs in the chunks done
-    for chunk in tl.range(0, NUM_CHUNKS):
-        pairs = chunk * CHUNK + tl.arange(0, CHUNK)
-        valid = pairs < num_pairs
-        experts = tl.load(expert_ids_ptr + pairs, mask=valid, other=E_PAD)  # padding: none
-        chosen = expert_range[:, None] == experts[None, :]  # [E_PAD, CHUNK]
-        same = (experts[:, None] == experts[None, :]) & (pairs[None, :] < pairs[:, None])
-        rank = tl.sum(same.to(tl.int32), axis=1)
-        rank += tl.sum(tl.where(chosen, seen[:, None], 0), axis=0)
-        group = tl.sum(tl.where(chosen, first_group[:, None], 0), axis=0) + rank // COLS
-        column = rank % COLS
-        tl.store(group_pairs_ptr + group * COLS + column, pairs, mask=valid)
-        tl.store(group_expert_ptr + group, experts, mask=valid & (column == 0))
-        seen += tl.sum(chosen.to(tl.int32), axis=1)
+    index = tl.arange(0, P_PAD)
+    experts = tl.load(expert_ids_ptr + index, mask=index < num_pairs, other=E_PAD)  # pad: last
+    keys = tl.sort(experts * P_PAD + index)
+    experts = keys // P_PAD
+    pairs = keys % P_PAD
+    before = tl.gather(experts, tl.maximum(index - 1, 0), 0)
+    run_start = tl.where((index == 0) | (experts != before), index, 0)
+    rank = index - tl.associative_scan(run_start, 0, _max)
+    column = rank % COLS
+    group = tl.cumsum((column == 0).to(tl.int32), 0) - 1
+    valid = experts < E_PAD
+    tl.store(group_pairs_ptr + group * COLS + column, pairs, mask=valid)
+    tl.store(group_expert_ptr + group, experts, mask=valid & (column == 0))
 
 
 @triton.jit

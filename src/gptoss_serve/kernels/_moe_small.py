@@ -371,15 +371,8 @@ def launch_columns(
     pdl = _pdl(tiles)
     device = x_thread.device
     cols = tiles.group_size
-    g_max = columns.max_groups(num_pairs, weights.num_experts, cols)
-    group_expert = torch.empty(g_max, dtype=torch.int32, device=device)
-    group_pairs = torch.empty(g_max, cols, dtype=torch.int32, device=device)
-    chunk = min(_GROUP_CHUNK, _pow2(num_pairs))
-    columns._group_kernel[(1,)](
-        ids, group_expert, group_pairs, num_pairs, G_MAX=g_max, COLS=cols, CHUNK=chunk,
-        NUM_CHUNKS=triton.cdiv(num_pairs, chunk), E_PAD=_pow2(weights.num_experts),
-        FILL=_pow2(g_max * cols), PDL=pdl, num_warps=8, launch_pdl=pdl,
-    )  # fmt: skip
+    group_expert, group_pairs = group(ids, weights.num_experts, tiles)
+    g_max = group_expert.shape[0]
     rows = tiles.gate_up_rows
     columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
@@ -401,10 +394,26 @@ def launch_columns(
     sum_pairs(y, out, top_k)
 
 
+def group(
+    ids: torch.Tensor, num_experts: int, tiles: DecodeTiles
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing ``ids`` [T, k] (int32, contiguous) in groups of ``tiles.group_size`` pairs
+    of one expert: (group_expert [G_MAX], group_pairs [G_MAX, size]), -1 where unused."""
+    num_pairs, cols = ids.numel(), tiles.group_size
+    g_max = columns.max_groups(num_pairs, num_experts, cols)
+    group_expert = torch.empty(g_max, dtype=torch.int32, device=ids.device)
+    group_pairs = torch.empty(g_max, cols, dtype=torch.int32, device=ids.device)
+    pdl = _pdl(tiles)
+    columns._group_kernel[(1,)](
+        ids, group_expert, group_pairs, num_pairs, G_MAX=g_max, COLS=cols,
+        P_PAD=_pow2(num_pairs), E_PAD=_pow2(num_experts),
+        FILL=min(_GROUP_FILL, _pow2(g_max * cols)), PDL=pdl, num_warps=8, launch_pdl=pdl,
+    )  # fmt: skip
+    return group_expert, group_pairs
+
+
 _SUM_BLOCK = 1024
-# Pairs per step of the grouping kernel: its [chunk x chunk] rank comparison stays in
-# registers (8 warps) up to 256.
-_GROUP_CHUNK = 256
+_GROUP_FILL = 4096  # table entries cleared per step
 
 
 def sum_pairs(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
