@@ -146,6 +146,30 @@ def test_interpreter_groups(num_pairs: int, group_size: int) -> None:
     check_groups("cpu", num_pairs, 128, group_size, seed=num_pairs)
 
 
+def check_split_router(x: torch.Tensor, weights: MoeWeights, split_k: int) -> None:
+    """The K-split router: top-k ids and weights equal the fp32 reference's on clear tokens,
+    and x_thread is x in thread order, bit for bit."""
+    from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
+
+    num_tokens = x.shape[0]
+    ids = torch.full((num_tokens, 4), -7, dtype=torch.int32, device=x.device)
+    gates = poisoned((num_tokens, 4), torch.float32, str(x.device))
+    x_thread = poisoned(tuple(x.shape), torch.bfloat16, str(x.device))
+    _moe_small._launch_wide_router(x, weights, x_thread, ids, gates, split_k=split_k)
+    expected_ids, expected_weights = reference_routing(x, weights)
+    clear = clear_tokens(x, weights)
+    assert torch.equal(ids[clear].long(), expected_ids[clear])
+    assert_close(gates[clear], expected_weights[clear], max_rel=1e-5, rms_rel=1e-5)
+    assert torch.equal(x_thread, _moe_small.thread_order(x))
+
+
+@interpreter
+def test_interpreter_split_router() -> None:
+    """40 tokens (two blocks of 32, the second ragged), H = 160 in parts of 64 (the last
+    part half masked)."""
+    check_split_router(random_x(40, 160, seed=51), random_weights(8, 160, 96, seed=50), 64)
+
+
 @interpreter
 def test_interpreter_decode_bit_exact() -> None:
     check_decode_bit_exact("cpu", (False,))
@@ -189,6 +213,13 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
 
     tokens = {"max": DECODE_MAX_TOKENS, "max+1": DECODE_MAX_TOKENS + 1}.get(num_tokens, num_tokens)
     check_against_reference(random_x(tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [17, 64, 300])
+def test_gpu_split_router(gpu_weights: MoeWeights, num_tokens: int) -> None:
+    x = random_x(num_tokens, 2880, device="cuda", seed=fresh_seed())
+    check_split_router(x, gpu_weights, 192)
 
 
 @pytest.mark.gpu
@@ -260,7 +291,8 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
 def test_grouped_columns_kernels_compile_for_sm90() -> None:
     """The expert-grouped path at 120b shapes and its table's tiles (8 and 16 columns):
     cp.async into mma.sync, no local memory; the grouping kernel for 64 and 256 tokens.
-    Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too. (With 4 warps and
+    Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so does the K-split
+    router. (With 4 warps and
     128 rows Triton turns 16 columns into a wgmma.)"""
     from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
@@ -295,3 +327,13 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
         group |= dict(FILL=min(4096, 1 << (g_max * tiles.group_size - 1).bit_length()))
         ptx = compile_sm90(_moe_columns._group_kernel, group, {}, dict(num_warps=8))
         assert ".local" not in ptx
+    from gptoss_serve.kernels import _moe_router_split  # noqa: PLC0415
+
+    split = dict(H=2880, E=128, E_PAD=128, BLOCK_T=32, BLOCK_K=64, SPLIT_K=192, PDL=True)
+    split |= dict(INTERPRET=False)
+    finish = dict(NUM_PARTS=15, E=128, E_PAD=128, BLOCK_T=16, TOP_K=4, K_PAD=4, PDL=True)
+    for kernel, constexprs in [(_moe_router_split._router_split_kernel, split),
+                               (_moe_router_split._router_finish_kernel, finish)]:  # fmt: skip
+        ptx = compile_sm90(kernel, constexprs, {"x_ptr": "*bf16", "weight_ptr": "*bf16"},
+                           dict(num_warps=4))  # fmt: skip
+        assert ".local" not in ptx and "griddepcontrol.wait" in ptx

@@ -29,16 +29,17 @@ from gptoss_serve.kernels import _moe_columns as columns
 from gptoss_serve.kernels import _moe_decode as decode
 from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_gemv as gemv
-from gptoss_serve.kernels import _moe_routing as routing
+from gptoss_serve.kernels import _moe_router_split as router_split
 from gptoss_serve.kernels.moe import MoeWeights
 
 # Largest T routed to this path by mxfp4_moe_triton: up to here the grouped-columns GEMVs beat
 # the grouped GEMMs (bench/moe_profile.py prints both paths per T to move the switch).
 DECODE_MAX_TOKENS = 384
-# Largest T of _router_kernel (every program holds all T tokens' activations); above it the
-# prefill router (_moe_routing._router_topk_kernel: BLOCK_T tokens a program, on tl.dot)
-# writes the routing and a copy puts x in thread order.
-ROUTER_MAX_TOKENS = 64
+# Largest T of _router_kernel (every program holds all T tokens' activations: 13.6 / 30 /
+# 48.8 us at 16 / 32 / 64 tokens on the H200); above it the router GEMM split over K
+# (_moe_router_split.py) writes the routing and x in thread order.
+ROUTER_MAX_TOKENS = 16
+ROUTER_SPLIT_K = 192  # columns of H per router program (2880 = 15 parts)
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ def launch_router(
     if num_tokens > ROUTER_MAX_TOKENS:
         if not route:
             raise ValueError(f"past {ROUTER_MAX_TOKENS} tokens the router must write the routing")
-        _launch_wide_router(x, weights, x_thread, ids, gates)
+        _launch_wide_router(x, weights, x_thread, ids, gates, pdl=_pdl(tiles))
         return
     counter = weights.router_counter
     if route and counter is None:
@@ -278,18 +279,27 @@ def _launch_wide_router(
     x_thread: torch.Tensor,
     ids: torch.Tensor,
     gates: torch.Tensor,
+    *,
+    pdl: bool = False,
+    split_k: int = ROUTER_SPLIT_K,
 ) -> None:
-    """Many tokens: the prefill router's top-k (tl.dot logits, BLOCK_T tokens a program) and x
-    copied into thread order."""
+    """More tokens: the router GEMM split over K (_moe_router_split.py), 2 launches."""
     num_tokens, hidden = x.shape
     top_k, num_experts = ids.shape[1], weights.num_experts
-    block_t = 32
-    routing._router_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
-        x, weights.router_weight, weights.router_bias, ids, gates, num_tokens, num_experts,
-        x.stride(0), HIDDEN=hidden, TOP_K=top_k, K_PAD=_pow2(top_k), BLOCK_T=block_t,
-        E_PAD=max(16, _pow2(num_experts)), BLOCK_K=64, INTERPRET=_interpreting(),
+    e_pad, block_t, block_k = max(16, _pow2(num_experts)), 32, min(64, split_k)
+    num_parts = triton.cdiv(hidden, split_k)
+    partial = torch.empty(num_parts, num_tokens, num_experts, dtype=torch.float32,
+                          device=x.device)  # fmt: skip
+    router_split._router_split_kernel[(triton.cdiv(num_tokens, block_t), num_parts)](
+        x, weights.router_weight, partial, x_thread, num_tokens, x.stride(0), H=hidden,
+        E=num_experts, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_K=split_k,
+        PDL=pdl, INTERPRET=_interpreting(), num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    x_thread.copy_(thread_order(x))
+    router_split._router_finish_kernel[(triton.cdiv(num_tokens, 16),)](
+        partial, weights.router_bias, ids, gates, num_tokens, NUM_PARTS=num_parts, E=num_experts,
+        E_PAD=e_pad, BLOCK_T=16, TOP_K=top_k, K_PAD=_pow2(top_k), PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
+    )  # fmt: skip
 
 
 def launch_gate_up(
