@@ -125,9 +125,10 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # 65-384 tokens (large decode batches; the grouped GEMMs took them before; H200,
     # moe_profile.py's columns sweep at 128 and 256 tokens): groups of 8 pairs (16 was 13%
     # slower at 256 tokens), 64-row tiles with 4 warps for down at 128 tokens, 128-row tiles
-    # with 4 warps for both at 256. Whole MoE per layer against the grouped GEMMs: 96 / 128 /
-    # 192 / 256 / 384 tokens 746 / 750 / 1,015 / 974 / 1,428 us against 1,507 / 1,557 /
-    # 1,583 / 1,600 / 1,769 us; at 512 they tie (1,794 / 1,788), so the switch sits at 384.
+    # with 4 warps for both at 256. Whole MoE per layer with the sorting group kernel (v6b):
+    # 128 / 256 / 384 tokens 685 / 873 / 1,151 us; the grouped GEMMs take 1,557 / 1,600 /
+    # 1,769 us, and at 512 tokens tie with the columns at 1,794 / 1,788 (group kernel of v6),
+    # so the switch sits at 384.
     (
         128,
         DecodeTiles(
