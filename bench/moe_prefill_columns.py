@@ -24,10 +24,12 @@ from kernels import graph_time_ms
 
 logger = logging.getLogger(__name__)
 CALLS = 4
-# (group_size, gate_up rows, down rows, warps, stages)
+# (group_size, gate_up rows, down rows, warps, stages, activations in tile order)
 VARIANTS = [
-    (32, 128, 128, 4, 3), (16, 64, 64, 2, 4), (32, 64, 64, 2, 4), (32, 32, 32, 2, 4),
-    (32, 64, 64, 2, 3), (64, 64, 64, 2, 3), (32, 64, 64, 1, 4), (16, 32, 32, 1, 4),
+    (8, 128, 128, 4, 4, False), (8, 128, 128, 4, 4, True), (8, 64, 64, 2, 4, True),
+    (16, 64, 64, 2, 4, True), (32, 64, 64, 2, 3, False), (32, 64, 64, 2, 3, True),
+    (32, 64, 64, 4, 3, True), (32, 128, 128, 4, 3, True), (64, 64, 64, 2, 3, True),
+    (64, 128, 128, 4, 3, True), (64, 128, 128, 8, 3, True),
 ]  # fmt: skip
 
 
@@ -60,11 +62,11 @@ def main() -> int:
         for cols in (8, 32):
             us = timed(lambda i, ids=ids, c=cols: group_only(ids[i], c))
             rows.append((tokens, f"group kernel alone, {cols} columns", us))
-        for cols, gu_rows, down_rows, warps, stages in VARIANTS:
+        for cols, gu_rows, down_rows, warps, stages, tile in VARIANTS:
             t = dataclasses.replace(
                 small.decode_tiles_for(384), group_size=cols, gate_up_rows=gu_rows,
                 down_rows=down_rows, gate_up_warps=warps, down_warps=warps,
-                gate_up_stages=stages, down_stages=stages,
+                gate_up_stages=stages, down_stages=stages, tile_order=tile,
             )  # fmt: skip
             try:
                 us = timed(lambda i, t=t, xs=xs: small.mxfp4_moe_decode(xs[i], weights, tiles=t))
@@ -73,7 +75,8 @@ def main() -> int:
             except Exception as exc:  # a tile that does not compile: report, go on
                 logger.warning("T=%d %s: %s", tokens, t, exc)
                 continue
-            rows.append((tokens, f"columns {cols} {gu_rows}/{down_rows} w{warps} s{stages} "
+            order = "tile" if tile else "thread"
+            rows.append((tokens, f"columns {cols} {gu_rows}/{down_rows} w{warps} s{stages} {order} "
                          f"(max_rel {err:.1e})", us))  # fmt: skip
         torch.cuda.empty_cache()
     out = sys.stdout

@@ -105,17 +105,20 @@ def _decode_variants() -> list:
 
 
 @interpreter
-@pytest.mark.parametrize(("num_tokens", "group_size"), [(1, 8), (20, 8), (80, 16)])
-def test_interpreter_grouped_columns(num_tokens: int, group_size: int) -> None:
+@pytest.mark.parametrize(
+    ("num_tokens", "group_size", "tile_order"),
+    [(1, 8, False), (20, 8, False), (80, 16, False), (20, 8, True), (80, 32, True)],
+)
+def test_interpreter_grouped_columns(num_tokens: int, group_size: int, tile_order: bool) -> None:
     """Pairs grouped by expert: 20 tokens over 8 experts put ~10 pairs on an expert, so an
-    expert takes two groups of 8 columns; 80 tokens (320 pairs) are routed by the prefill
-    router and grouped in two chunks, ~40 pairs an expert in groups of 16. Poisoned scratch,
-    the kernels' own routing."""
+    expert takes two groups of 8 columns; 80 tokens (320 pairs) are routed by the K-split
+    router, ~40 pairs an expert in groups of 16 or 32; activations in thread or tile order.
+    Poisoned scratch, the kernels' own routing."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
 
     tiles = _moe_small.DecodeTiles(
         group_columns=True, group_size=group_size, gate_up_rows=32, gate_up_split=1,
-        down_rows=16, down_split=1,
+        down_rows=16, down_split=1, tile_order=tile_order,
     )  # fmt: skip
     check_decode_routing(random_x(num_tokens, 160, seed=41), random_weights(8, 160, 96, seed=40),
                          tiles)  # fmt: skip

@@ -124,15 +124,27 @@ def _expert_rows(blocks_ptr, scales_ptr, expert, n0, N: tl.constexpr, K: tl.cons
 
 
 @triton.jit
+def _tile_position(j):
+    """Where element j of a row sits in tile order: in each step of 128, element 32t + e
+    (e = 8q + 4h + 2m + p) is tile column 32q + 16m + 4t + 2p + h (_moe_gemv.py)."""
+    r = j % 128
+    t, e = r // 32, r % 32
+    return (j - r) + 32 * (e >> 3) + 16 * ((e >> 1) & 1) + 4 * t + 2 * (e & 1) + ((e >> 2) & 1)
+
+
+@triton.jit
 def _columns_gate_up_kernel(
     x_thread_ptr, group_expert_ptr, group_pairs_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr,
     alpha, limit,
     H: tl.constexpr, N: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr,
     COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr = False,
+    X_STRIDE: tl.constexpr = 0, H_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
-    """h[pair, units of rows n0 .. n0 + BN) for the group's pairs (rows interleaved gate/up)."""
+    """h[pair, units of rows n0 .. n0 + BN) for the group's pairs (rows interleaved gate/up).
+    TILE_ORDER: x rows (X_STRIDE apart) are in tile order, and so are the h rows written
+    (H_STRIDE apart); else both in thread order, H and N / 2 apart."""
     G: tl.constexpr = H // 32
     n0 = tl.program_id(0) * BN  # row tiles fastest: one expert's tiles run together
     if PDL:
@@ -145,9 +157,10 @@ def _columns_gate_up_kernel(
     block_rows, scale_rows, row_groups, t = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, H, BN
     )
+    x_stride = X_STRIDE if TILE_ORDER else H
     acc = _mxfp4_gemv(
-        block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * H,
-        tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
+        block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * x_stride,
+        tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER,
     )  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -158,9 +171,14 @@ def _columns_gate_up_kernel(
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = _to_bf16(gate * tl.sigmoid(alpha * gate) * (up + 1.0), INTERPRET)  # [BN/2, COLS]
-    units = n0 // 2 + tl.arange(0, BN // 2)  # units j, stored at their thread-order position
-    position = (units & ~7) | ((units & 1) << 2) | (units & 2) | ((units >> 2) & 1)
-    ptrs = h_ptr + pairs.to(tl.int64)[None, :] * (N // 2) + position[:, None]
+    units = n0 // 2 + tl.arange(0, BN // 2)  # units j, stored at their down-GEMV position
+    if TILE_ORDER:
+        position = _tile_position(units)
+        h_stride = H_STRIDE
+    else:
+        position = (units & ~7) | ((units & 1) << 2) | (units & 2) | ((units >> 2) & 1)
+        h_stride = N // 2
+    ptrs = h_ptr + pairs.to(tl.int64)[None, :] * h_stride + position[:, None]
     tl.store(ptrs, h, mask=(units < N // 2)[:, None] & valid[None, :])
 
 
@@ -171,7 +189,8 @@ def _columns_down_kernel(
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr,
     COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr = False,
+    H_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
     """y[pair, n0 : n0 + BN] fp32 = w_pair · (h_pair @ Wd[expert][rows]^T + bd[rows])."""
     G: tl.constexpr = K // 32
@@ -186,10 +205,11 @@ def _columns_down_kernel(
     block_rows, scale_rows, row_groups, t = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, K, BN
     )
-    col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * K
+    h_stride = H_STRIDE if TILE_ORDER else K
+    col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * h_stride
     acc = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
-        BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
+        BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER,
     )  # fmt: skip
     if PDL:
         gdc_launch_dependents()

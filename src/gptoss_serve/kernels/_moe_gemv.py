@@ -120,10 +120,18 @@ def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _activation_tile(col_ptrs, col_groups, step, MASK_K: tl.constexpr):
+def _activation_tile(col_ptrs, col_groups, step, MASK_K: tl.constexpr,
+                     TILE_ORDER: tl.constexpr = False):  # fmt: skip
     """Step ``step`` (128 columns) of thread-ordered activation rows -> [128, NC] bf16 in the
     tile's column order; ``col_ptrs`` [NC] point at each column's first element, and column c
-    has ``col_groups[c]`` valid 32-element groups from there."""
+    has ``col_groups[c]`` valid 32-element groups from there. TILE_ORDER: the rows are stored
+    in the tile's column order already (``tile_order``), 128 per step, so the load is plain."""
+    if TILE_ORDER:
+        k = tl.arange(0, BLOCK_K)[:, None]
+        ptrs = col_ptrs[None, :] + step * BLOCK_K + k
+        if MASK_K:  # tile column k belongs to group lane t = (k // 4) % 4
+            return tl.load(ptrs, mask=4 * step + (k // 4) % 4 < col_groups[None, :], other=0.0)
+        return tl.load(ptrs)
     t = tl.arange(0, 4)[None, :, None]
     ptrs = col_ptrs[:, None, None] + step * BLOCK_K + 32 * t + tl.arange(0, 8)[None, None, :]
     if MASK_K:
@@ -178,6 +186,7 @@ def _prefetch_line(ptrs, mask):
 def _gemv_step(
     acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
+    TILE_ORDER: tl.constexpr = False,
 ):  # fmt: skip
     """One 128-column step; returns (acc, the next step's scales)."""
     word_ptrs = (block_rows + step * (BLOCK_K // 2)).to(tl.pointer_type(tl.int32))
@@ -189,7 +198,8 @@ def _gemv_step(
     next_mask = 4 * step + 4 + t < row_groups
     next_scale = _load_scale(scale_rows + 4 * step + 4, next_mask, PTX)
     tile = _weight_tile(words, scale, BN, PTX)
-    acc = _dot(tile, _activation_tile(col_ptrs, col_groups, step, MASK_K), acc, INTERPRET)
+    activations = _activation_tile(col_ptrs, col_groups, step, MASK_K, TILE_ORDER)
+    acc = _dot(tile, activations, acc, INTERPRET)
     return acc, next_scale
 
 
@@ -198,6 +208,7 @@ def _mxfp4_gemv(
     block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
+    TILE_ORDER: tl.constexpr = False,
 ):  # fmt: skip
     """acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns.
 
@@ -207,7 +218,8 @@ def _mxfp4_gemv(
     same for the thread-ordered activations (bf16). The first FULL_STEPS steps are valid for
     every row and column: when that is all of them, the loads carry no masks. UNROLL steps per
     iteration (STEPS a multiple of it): their loads go out together, so that HBM sees each
-    row's 64·UNROLL contiguous bytes at once rather than 64 at a time."""
+    row's 64·UNROLL contiguous bytes at once rather than 64 at a time. TILE_ORDER: the
+    activations are stored in tile order (``_activation_tile``)."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
     if PTX:  # the scales are read one step ahead only: have all of them in L2 by then
@@ -220,7 +232,7 @@ def _mxfp4_gemv(
         for j in tl.static_range(UNROLL):
             acc, scale = _gemv_step(
                 acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
-                col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET,
+                col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER,
             )  # fmt: skip
     return acc
 

@@ -68,6 +68,10 @@ class DecodeTiles:
     # 1), with the same warps and stages; the routing must come from the router.
     group_columns: bool = False
     group_size: int = 8  # pairs per group (group_columns): 8 (one n8 MMA) or 16 (two)
+    # group_columns: activations stored in the GEMV tile's column order (a plain [128, NC]
+    # load per step) rather than thread order (4 contiguous 16-byte runs per thread, permuted
+    # in registers)
+    tile_order: bool = False
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
 
@@ -177,6 +181,16 @@ def thread_order(x: torch.Tensor) -> torch.Tensor:
     exchanged (an involution; _moe_gemv.py says why)."""
     t, h = x.shape
     return x.reshape(t, h // 8, 2, 2, 2).permute(0, 1, 4, 3, 2).reshape(t, h)
+
+
+def tile_order(x: torch.Tensor) -> torch.Tensor:
+    """[T, H] -> [T, 128·ceil(H / 128)] in the GEMV tile's column order, zero padded: in each
+    step of 128, element 32t + 8q + 4h + 2m + p goes to column 32q + 16m + 4t + 2p + h."""
+    t, h = x.shape
+    steps = -(-h // 128)
+    padded = torch.nn.functional.pad(x, (0, steps * 128 - h))
+    tiles = padded.reshape(t, steps, 4, 4, 2, 2, 2)  # t q h m p
+    return tiles.permute(0, 1, 3, 5, 2, 6, 4).reshape(t, steps * 128)  # q m t p h
 
 
 def mxfp4_moe_decode(
@@ -384,6 +398,11 @@ def launch_columns(
     cols = tiles.group_size
     group_expert, group_pairs = group(ids, weights.num_experts, tiles)
     g_max = group_expert.shape[0]
+    order: dict = {}
+    if tiles.tile_order:  # thread order is an involution: x = thread_order(x_thread)
+        x_thread = tile_order(thread_order(x_thread))
+        h = _scratch((num_pairs, 128 * triton.cdiv(inter, 128)), torch.bfloat16, device, poison)
+        order = dict(TILE_ORDER=True, H_STRIDE=h.stride(0))
     rows = tiles.gate_up_rows
     columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
@@ -392,6 +411,7 @@ def launch_columns(
         **_full_steps(hidden), NUM_STAGES=tiles.gate_up_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=pdl,
+        **order, **({"X_STRIDE": x_thread.stride(0)} if tiles.tile_order else {}),
     )  # fmt: skip
     y = _scratch((num_pairs, hidden), torch.float32, device, poison)
     rows = tiles.down_rows
@@ -400,7 +420,7 @@ def launch_columns(
         weights.down_bias, y, y.stride(0), N=hidden, K=inter, TOP_K=top_k, BN=rows, COLS=cols,
         **_full_steps(inter), NUM_STAGES=tiles.down_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
-        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl, **order,
     )  # fmt: skip
     sum_pairs(y, out, top_k)
 
