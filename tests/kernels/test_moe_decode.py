@@ -107,7 +107,7 @@ def _decode_variants() -> list:
 @interpreter
 @pytest.mark.parametrize(
     ("num_tokens", "group_size", "tile_order"),
-    [(1, 8, False), (20, 8, False), (80, 16, False), (20, 8, True), (80, 32, True)],
+    [(1, 8, False), (20, 8, False), (80, 16, False), (1, 8, True), (20, 8, True), (80, 32, True)],
 )
 def test_interpreter_grouped_columns(num_tokens: int, group_size: int, tile_order: bool) -> None:
     """Pairs grouped by expert: 20 tokens over 8 experts put ~10 pairs on an expert, so an
@@ -226,13 +226,13 @@ def test_gpu_split_router(gpu_weights: MoeWeights, num_tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("num_pairs", "group_size"), [(68, 8), (1024, 8), (1536, 16)])
+@pytest.mark.parametrize(("num_pairs", "group_size"), [(68, 8), (1024, 8), (1536, 16), (4000, 32)])
 def test_gpu_groups(num_pairs: int, group_size: int) -> None:
     check_groups("cuda", num_pairs, 128, group_size, seed=fresh_seed())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 5, 16, 64, 65, 256])
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 64, 65, 256, 384, 1000])
 def test_gpu_decode_routing(gpu_weights: MoeWeights, num_tokens: int) -> None:
     check_decode_routing(random_x(num_tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
 
@@ -293,7 +293,7 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_grouped_columns_kernels_compile_for_sm90() -> None:
     """The expert-grouped path at 120b shapes and its table's tiles (8 and 16 columns):
-    cp.async into mma.sync, no local memory; the grouping kernel for 64 and 256 tokens.
+    cp.async into mma.sync, no local memory; the grouping kernel for 64, 256 and 1024 tokens.
     Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so does the K-split
     router. (With 4 warps and
     128 rows Triton turns 16 columns into a wgmma.)"""
@@ -304,17 +304,19 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
     pointers = {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16"}
     pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8", "routing_weights_ptr": "*fp32"}
     pointers |= {"y_ptr": "*fp32"}
-    for num_tokens, group_size in [(64, None), (256, None), (64, 16)]:
+    for num_tokens, group_size in [(64, None), (256, None), (1024, None), (64, 16)]:
         tiles = decode_tiles_for(num_tokens)
         assert tiles.group_columns
         if group_size:
             tiles = dataclasses.replace(tiles, group_size=group_size)
         common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
-        common |= steps
+        stride = 2944 if tiles.tile_order else 0  # tile order: rows of 23 steps of 128
+        common |= dict(TILE_ORDER=tiles.tile_order, H_STRIDE=stride) | steps
         for kernel, constexprs, warps, stages in [
             (_moe_columns._columns_gate_up_kernel,
              dict(H=2880, N=5760, BN=tiles.gate_up_rows, NUM_STAGES=tiles.gate_up_stages)
-             | common, tiles.gate_up_warps, tiles.gate_up_stages),
+             | common | {"X_STRIDE": stride},
+             tiles.gate_up_warps, tiles.gate_up_stages),
             (_moe_columns._columns_down_kernel,
              dict(N=2880, K=2880, BN=tiles.down_rows, NUM_STAGES=tiles.down_stages) | common,
              tiles.down_warps, tiles.down_stages),

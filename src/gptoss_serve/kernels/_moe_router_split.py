@@ -8,7 +8,7 @@ prefill router (_moe_routing._router_topk_kernel) runs the whole K = 2880 in one
 1. ``_router_split_kernel``: program (token block, K part) multiplies BLOCK_T tokens by the
    128 experts' router rows over its SPLIT_K columns (tl.dot, fp32 accumulate) into
    ``partial`` [parts, T, E] fp32, and writes those columns of x in thread order (_moe_gemv.py)
-   for the expert GEMVs.
+   or tile order (``tiles.tile_order``) for the expert GEMVs.
 2. ``_router_finish_kernel``: per BLOCK_T tokens, the parts summed in part order (the same
    order every run: deterministic) plus the bias, then top-k and the softmax over the k.
 """
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from gptoss_serve.kernels._moe_columns import _tile_position
 from gptoss_serve.kernels._moe_common import _dot
 from gptoss_serve.kernels._moe_decode import _thread_order
 from gptoss_serve.kernels._moe_routing import _topk_softmax
@@ -31,8 +32,11 @@ def _router_split_kernel(
     x_ptr, weight_ptr, partial_ptr, x_thread_ptr, num_tokens, stride_x,
     H: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    TILE_ORDER: tl.constexpr = False, X_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
-    """partial[part, tokens, :] = x[tokens, part's columns] @ Wr[:, part's columns]^T."""
+    """partial[part, tokens, :] = x[tokens, part's columns] @ Wr[:, part's columns]^T.
+    TILE_ORDER: x is copied in the GEMV tile's column order (rows X_STRIDE apart; the padding
+    past H is never read unmasked) instead of thread order."""
     if PDL:  # x comes from the previous kernel
         gdc_wait()
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -47,8 +51,12 @@ def _router_split_kernel(
         w_mask = (experts < E)[:, None] & (ks < H)[None, :]
         w = tl.load(weight_ptr + experts[:, None] * H + ks[None, :], mask=w_mask, other=0.0)
         acc = _dot(x, tl.trans(w), acc, INTERPRET)
-        tl.store(x_thread_ptr + tokens[:, None] * H + ks[None, :], _thread_order(x, BLOCK_K),
-                 mask=x_mask)  # fmt: skip
+        if TILE_ORDER:
+            tl.store(x_thread_ptr + tokens[:, None] * X_STRIDE + _tile_position(ks)[None, :], x,
+                     mask=x_mask)  # fmt: skip
+        else:
+            tl.store(x_thread_ptr + tokens[:, None] * H + ks[None, :], _thread_order(x, BLOCK_K),
+                     mask=x_mask)  # fmt: skip
     if PDL:
         gdc_launch_dependents()
     rows = (part * num_tokens + tokens)[:, None] * E + experts[None, :]

@@ -34,7 +34,7 @@ from gptoss_serve.kernels.moe import MoeWeights
 
 # Largest T routed to this path by mxfp4_moe_triton: up to here the grouped-columns GEMVs beat
 # the grouped GEMMs (bench/moe_profile.py prints both paths per T to move the switch).
-DECODE_MAX_TOKENS = 384
+DECODE_MAX_TOKENS = 1024
 # Largest T of _router_kernel (every program holds all T tokens' activations: 13.6 / 30 /
 # 48.8 us at 16 / 32 / 64 tokens on the H200); above it the router GEMM split over K
 # (_moe_router_split.py) writes the routing and x in thread order.
@@ -94,6 +94,8 @@ class DecodeTiles:
                 "group_columns needs route_in_router, split 1, unroll 1 and down_rows a power "
                 f"of two >= 16, got {self}"
             )
+        if self.tile_order and not self.group_columns:
+            raise ValueError(f"tile_order is a group_columns option, got {self}")
         if self.group_size not in columns.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {columns.GROUP_SIZES}, got {self}")
 
@@ -126,13 +128,14 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
             down_warps=2,
         ),
     ),
-    # 65-384 tokens (large decode batches; the grouped GEMMs took them before; H200,
-    # moe_profile.py's columns sweep at 128 and 256 tokens): groups of 8 pairs (16 was 13%
-    # slower at 256 tokens), 64-row tiles with 4 warps for down at 128 tokens, 128-row tiles
-    # with 4 warps for both at 256. Whole MoE per layer with the sorting group kernel (v6b):
-    # 128 / 256 / 384 tokens 685 / 873 / 1,151 us; the grouped GEMMs take 1,557 / 1,600 /
-    # 1,769 us, and at 512 tokens tie with the columns at 1,794 / 1,788 (group kernel of v6),
-    # so the switch sits at 384.
+    # 65-1024 tokens (large decode batches and short prefills; the grouped GEMMs took them
+    # before). H200, moe_profile.py's columns sweep at 128 and 256 tokens and
+    # moe_prefill_columns.py at 256-2048: groups of 8 pairs with 64-row tiles and 4-warp down
+    # at 128 tokens; past that activations in tile order (a plain load per step: 16 pairs a
+    # group at 256 tokens 811 -> 749 us, 32 pairs at 1024 tokens 2,293 -> 1,601 us). Whole
+    # MoE per layer against the grouped GEMMs: 128 / 256 / 1024 tokens 685 / 749 / 1,601 us
+    # against 1,557 / 1,623 / 1,842 us; at 2048 they tie (2,734 / 2,762), so the switch sits
+    # at 1024.
     (
         128,
         DecodeTiles(
@@ -145,15 +148,31 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
         ),
     ),
     (
+        384,
+        DecodeTiles(
+            group_columns=True,
+            group_size=16,
+            tile_order=True,
+            gate_up_rows=64,
+            gate_up_split=1,
+            down_rows=64,
+            down_split=1,
+            down_warps=2,
+        ),
+    ),
+    (
         DECODE_MAX_TOKENS,
         DecodeTiles(
             group_columns=True,
-            gate_up_rows=128,
+            group_size=32,
+            tile_order=True,
+            gate_up_rows=64,
             gate_up_split=1,
-            gate_up_warps=4,
-            down_rows=128,
+            gate_up_stages=3,
+            down_rows=64,
             down_split=1,
-            down_warps=4,
+            down_warps=2,
+            down_stages=3,
         ),
     ),
 )
@@ -222,14 +241,18 @@ def mxfp4_moe_decode(
         ids = expert_ids.to(torch.int32).contiguous()
         gates = routing_weights.to(torch.float32).contiguous()
         x_thread, logits = thread_order(x).contiguous(), None
-        routed_here = True  # given: the GEMVs read it
+        routed_here, tile_in_router = True, False  # given: the GEMVs read it
     else:
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
         gates = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-        x_thread = _scratch((num_tokens, hidden), torch.bfloat16, device, poison)
+        # x for the GEMVs: thread order, or tile order (padded to whole steps) when the
+        # K-split router can write it so.
+        tile_in_router = tiles.tile_order and num_tokens > ROUTER_MAX_TOKENS
+        width = 128 * triton.cdiv(hidden, 128) if tile_in_router else hidden
+        x_thread = _scratch((num_tokens, width), torch.bfloat16, device, poison)
         logits = _scratch((num_tokens, weights.num_experts), torch.float32, device, poison)
         # The router's last program writes the routing once, or gate_up computes it from the
-        # logits (and writes it for down). Past ROUTER_MAX_TOKENS the prefill router does.
+        # logits (and writes it for down). Past ROUTER_MAX_TOKENS the K-split router does.
         routed_here = routes_in_router(tiles) or num_tokens > ROUTER_MAX_TOKENS
         launch_router(
             x, weights, logits, x_thread, tiles, ids=ids if routed_here else None, gates=gates
@@ -240,6 +263,8 @@ def mxfp4_moe_decode(
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
     if tiles.group_columns:
+        if tiles.tile_order and not tile_in_router:
+            x_thread = tile_order(x)
         launch_columns(
             weights, x_thread, ids, gates, h=h, out=out, tiles=tiles, alpha=alpha, limit=limit,
             poison=poison,
@@ -271,7 +296,9 @@ def launch_router(
     if num_tokens > ROUTER_MAX_TOKENS:
         if not route:
             raise ValueError(f"past {ROUTER_MAX_TOKENS} tokens the router must write the routing")
-        _launch_wide_router(x, weights, x_thread, ids, gates, pdl=_pdl(tiles))
+        _launch_wide_router(
+            x, weights, x_thread, ids, gates, pdl=_pdl(tiles), tile_order=tiles.tile_order
+        )
         return
     counter = weights.router_counter
     if route and counter is None:
@@ -297,8 +324,10 @@ def _launch_wide_router(
     *,
     pdl: bool = False,
     split_k: int = ROUTER_SPLIT_K,
+    tile_order: bool = False,
 ) -> None:
-    """More tokens: the router GEMM split over K (_moe_router_split.py), 2 launches."""
+    """More tokens: the router GEMM split over K (_moe_router_split.py), 2 launches. x goes
+    to ``x_thread`` in thread order, or in tile order (rows 128·ceil(H / 128) long)."""
     num_tokens, hidden = x.shape
     top_k, num_experts = ids.shape[1], weights.num_experts
     e_pad, block_t, block_k = max(16, _pow2(num_experts)), 32, min(64, split_k)
@@ -308,7 +337,8 @@ def _launch_wide_router(
     router_split._router_split_kernel[(triton.cdiv(num_tokens, block_t), num_parts)](
         x, weights.router_weight, partial, x_thread, num_tokens, x.stride(0), H=hidden,
         E=num_experts, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_K=split_k,
-        PDL=pdl, INTERPRET=_interpreting(), num_warps=4, launch_pdl=pdl,
+        PDL=pdl, INTERPRET=_interpreting(), TILE_ORDER=tile_order, X_STRIDE=x_thread.stride(0),
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     router_split._router_finish_kernel[(triton.cdiv(num_tokens, 16),)](
         partial, weights.router_bias, ids, gates, num_tokens, NUM_PARTS=num_parts, E=num_experts,
@@ -389,8 +419,9 @@ def launch_columns(
 ) -> None:
     """out [T, H] from x_thread and the routing ``ids``/``gates`` [T, k], the pairs grouped by
     expert (_moe_columns.py): group, gate_up, down into per-pair rows, the sum over each
-    token's pairs. Four launches, a fixed grid, no host sync."""
-    num_tokens, hidden = x_thread.shape
+    token's pairs. Four launches, a fixed grid, no host sync. With ``tiles.tile_order``
+    x_thread is x in tile order (``tile_order``) and ``h`` is replaced by a tile-order one."""
+    num_tokens, hidden = out.shape
     top_k, inter = ids.shape[1], weights.intermediate_size
     num_pairs = num_tokens * top_k
     pdl = _pdl(tiles)
@@ -399,8 +430,7 @@ def launch_columns(
     group_expert, group_pairs = group(ids, weights.num_experts, tiles)
     g_max = group_expert.shape[0]
     order: dict = {}
-    if tiles.tile_order:  # thread order is an involution: x = thread_order(x_thread)
-        x_thread = tile_order(thread_order(x_thread))
+    if tiles.tile_order:
         h = _scratch((num_pairs, 128 * triton.cdiv(inter, 128)), torch.bfloat16, device, poison)
         order = dict(TILE_ORDER=True, H_STRIDE=h.stride(0))
     rows = tiles.gate_up_rows
