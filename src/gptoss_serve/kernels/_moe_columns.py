@@ -4,8 +4,8 @@ _moe_decode.py's GEMVs run one program per pair and row tile: a pair decodes its
 rows even when other pairs of the batch chose the same expert, and the n8 MMA carries one or
 two useful activation columns. From ~32 tokens on the pairs share experts (64 tokens: 256 pairs
 over ~111 experts; 256 tokens: ~8 pairs on each of the 128), so here a program takes (row
-tile, group), a group being one expert and up to COLS (8 or 16) of its pairs, whose
-activations fill one or two n8 MMAs' columns: each expert's rows are decoded once per COLS
+tile, group), a group being one expert and up to COLS (8 to 64) of its pairs, whose
+activations fill the columns of COLS / 8 n8 MMAs: each expert's rows are decoded once per COLS
 pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
 
 1. ``_group_kernel`` (one program): the routing's pairs sorted by expert (stable; a bitonic
