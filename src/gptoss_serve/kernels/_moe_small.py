@@ -12,8 +12,8 @@ router's ticket, and the routing does not depend on which program draws the last
 (token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
 reads those rows more than once from L2 (not from HBM: the programs of one row tile run
 together, pairs fastest). From 17 tokens the pairs are grouped by expert (_moe_columns.py,
-``launch_columns``, after the K-split router: 6 launches); past DECODE_MAX_TOKENS the grouped GEMMs of _moe_triton.py
-take over.
+``launch_columns``, after the K-split router: 6 launches); past DECODE_MAX_TOKENS the grouped
+GEMMs of _moe_triton.py take over.
 See _moe_gemv.py for the tile layout and the decode, _moe_decode.py for the kernels.
 """
 
