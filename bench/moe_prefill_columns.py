@@ -1,6 +1,7 @@
-"""Experiment: the grouped-columns MoE (_moe_columns.py) at prefill sizes against the grouped
-GEMMs, over group sizes and tiles (H200). One 120b layer, us per call (median of graph
-replays of 4 calls on 4 inputs), TFLOP/s of the routed experts' GEMMs.
+"""The grouped-columns MoE (_moe_columns.py) at 64-8192 tokens against the grouped GEMMs, over
+group sizes, tiles and activation order (H200): where the decode path's table rows past 128
+tokens and DECODE_MAX_TOKENS come from. One 120b layer, us per call (median of graph replays
+of 4 calls on 4 inputs), TFLOP/s of the routed experts' GEMMs, and the grouping kernel alone.
 
     cd bench && python3 moe_prefill_columns.py [--tokens 512,1024,2048,8192]
 """
