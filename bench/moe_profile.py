@@ -80,10 +80,12 @@ def make_case(weights: MoeWeights, tokens: int, calls: int | None = None) -> Cas
     def empty(*shape: int, dtype: torch.dtype) -> list[torch.Tensor]:
         return [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(calls)]
 
+    tiles = small.decode_tiles_for(tokens)
+    width = 128 * -(-h_dim // 128) if tiles.tile_order else h_dim  # tile order: whole steps
     case = Case(
         xs,
         empty(tokens, e, dtype=torch.float32),
-        empty(tokens, h_dim, dtype=torch.bfloat16),
+        empty(tokens, width, dtype=torch.bfloat16),
         empty(tokens, TOP_K, dtype=torch.int32),
         empty(tokens, TOP_K, dtype=torch.float32),
         empty(tokens * TOP_K, i_dim, dtype=torch.bfloat16),
@@ -92,12 +94,12 @@ def make_case(weights: MoeWeights, tokens: int, calls: int | None = None) -> Cas
             torch.unique(route(router_logits_reference(x, weights), TOP_K)[1]).numel() for x in xs
         ),
     )
-    tiles = small.decode_tiles_for(tokens)
     for i in range(calls):  # fill every intermediate once, so each stage can run alone
         small.launch_router(xs[i], weights, case.logits[i], case.x_thread[i], tiles,
                             ids=case.ids[i] if small.routes_in_router(tiles) else None,
                             gates=case.gates[i])  # fmt: skip
-        gate_up(weights, case, i, tiles)
+        if not tiles.group_columns:
+            gate_up(weights, case, i, tiles)
     torch.cuda.synchronize()
     return case
 
@@ -107,7 +109,8 @@ def stage_bytes(weights: MoeWeights, case: Case) -> dict[str, float]:
     gate_up = case.distinct * 2 * i * (h // 2 + h // 32 + 2)
     down = case.distinct * h * (i // 2 + i // 32 + 2)
     router = 2 * e * h + 2 * e
-    return {"router": router, "gate_up": gate_up, "down": down, "total": router + gate_up + down}
+    return {"router": router, "gate_up": gate_up, "down": down, "columns": gate_up + down,
+            "total": router + gate_up + down}  # fmt: skip
 
 
 def timed(fn: Callable[[int], object]) -> float:
@@ -117,22 +120,35 @@ def timed(fn: Callable[[int], object]) -> float:
 
 
 def decode_stages(weights: MoeWeights, case: Case, tiles: small.DecodeTiles) -> dict[str, float]:
-    return {
-        "router": timed(
-            lambda i: small.launch_router(
-                case.xs[i],
-                weights,
-                case.logits[i],
-                case.x_thread[i],
-                tiles,
-                ids=case.ids[i] if small.routes_in_router(tiles) else None,
-                gates=case.gates[i],
-            )
-        ),
-        "gate_up": timed(lambda i: gate_up(weights, case, i, tiles)),
-        "down": timed(lambda i: down(weights, case, i, tiles)),
-        "total": timed(lambda i: small.mxfp4_moe_decode(case.xs[i], weights, tiles=tiles)),
-    }
+    return (
+        {
+            "router": timed(
+                lambda i: small.launch_router(
+                    case.xs[i],
+                    weights,
+                    case.logits[i],
+                    case.x_thread[i],
+                    tiles,
+                    ids=case.ids[i] if small.routes_in_router(tiles) else None,
+                    gates=case.gates[i],
+                )
+            ),
+        }
+        | experts_stages(weights, case, tiles)
+        | {
+            "total": timed(lambda i: small.mxfp4_moe_decode(case.xs[i], weights, tiles=tiles)),
+        }
+    )
+
+
+def experts_stages(weights: MoeWeights, case: Case, tiles: small.DecodeTiles) -> dict:
+    """The per-pair path's two GEMVs, or the grouped columns' launches after the router."""
+    if not tiles.group_columns:
+        return {
+            "gate_up": timed(lambda i: gate_up(weights, case, i, tiles)),
+            "down": timed(lambda i: down(weights, case, i, tiles)),
+        }
+    return {"columns": timed(lambda i: columns(weights, case, i, tiles))}
 
 
 def gate_up(weights: MoeWeights, case: Case, i: int, tiles: small.DecodeTiles) -> None:
@@ -140,6 +156,11 @@ def gate_up(weights: MoeWeights, case: Case, i: int, tiles: small.DecodeTiles) -
     small.launch_gate_up(
         weights, case.x_thread[i], logits, case.ids[i], case.gates[i], h=case.h[i], tiles=tiles
     )
+
+
+def columns(weights: MoeWeights, case: Case, i: int, tiles: small.DecodeTiles) -> None:
+    small.launch_columns(weights, case.x_thread[i], case.ids[i], case.gates[i], h=case.h[i],
+                         out=case.outs[i], tiles=tiles)  # fmt: skip
 
 
 def down(weights: MoeWeights, case: Case, i: int, tiles: small.DecodeTiles) -> None:

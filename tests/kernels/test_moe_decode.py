@@ -167,6 +167,18 @@ def check_split_router(x: torch.Tensor, weights: MoeWeights, split_k: int) -> No
 
 
 @interpreter
+def test_split_router_refuses_short_tile_rows() -> None:
+    """Tile order pads rows to whole 128-column steps: a [T, H] x_thread is refused, not
+    written past its rows."""
+    from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
+
+    x, weights = random_x(20, 160), random_weights(8, 160, 96)
+    ids, gates = torch.empty(20, 4, dtype=torch.int32), torch.empty(20, 4)
+    with pytest.raises(ValueError, match="whole 128-steps"):
+        _moe_small._launch_wide_router(x, weights, torch.empty_like(x), ids, gates, tile_order=True)
+
+
+@interpreter
 def test_interpreter_split_router() -> None:
     """40 tokens (two blocks of 32, the second ragged), H = 160 in parts of 64 (the last
     part half masked)."""

@@ -332,6 +332,8 @@ def _launch_wide_router(
     top_k, num_experts = ids.shape[1], weights.num_experts
     e_pad, block_t, block_k = max(16, _pow2(num_experts)), 32, min(64, split_k)
     num_parts = triton.cdiv(hidden, split_k)
+    if tile_order and x_thread.shape[1] < 128 * triton.cdiv(hidden, 128):
+        raise ValueError(f"tile order needs x_thread rows of whole 128-steps, got {x_thread.shape}")
     partial = torch.empty(num_parts, num_tokens, num_experts, dtype=torch.float32,
                           device=x.device)  # fmt: skip
     router_split._router_split_kernel[(triton.cdiv(num_tokens, block_t), num_parts)](
