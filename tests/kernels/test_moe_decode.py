@@ -149,21 +149,27 @@ def test_interpreter_groups(num_pairs: int, group_size: int) -> None:
     check_groups("cpu", num_pairs, 128, group_size, seed=num_pairs)
 
 
-def check_split_router(x: torch.Tensor, weights: MoeWeights, split_k: int) -> None:
+def check_split_router(
+    x: torch.Tensor, weights: MoeWeights, split_k: int, tile_order: bool = False
+) -> None:
     """The K-split router: top-k ids and weights equal the fp32 reference's on clear tokens,
-    and x_thread is x in thread order, bit for bit."""
+    and x_thread is x in thread order (or tile order, zero padded), bit for bit."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
 
-    num_tokens = x.shape[0]
+    num_tokens, hidden = x.shape
     ids = torch.full((num_tokens, 4), -7, dtype=torch.int32, device=x.device)
     gates = poisoned((num_tokens, 4), torch.float32, str(x.device))
-    x_thread = poisoned(tuple(x.shape), torch.bfloat16, str(x.device))
-    _moe_small._launch_wide_router(x, weights, x_thread, ids, gates, split_k=split_k)
+    width = -(-hidden // 128) * 128 if tile_order else hidden
+    x_thread = poisoned((num_tokens, width), torch.bfloat16, str(x.device))
+    _moe_small._launch_wide_router(
+        x, weights, x_thread, ids, gates, split_k=split_k, tile_order=tile_order
+    )
     expected_ids, expected_weights = reference_routing(x, weights)
     clear = clear_tokens(x, weights)
     assert torch.equal(ids[clear].long(), expected_ids[clear])
     assert_close(gates[clear], expected_weights[clear], max_rel=1e-5, rms_rel=1e-5)
-    assert torch.equal(x_thread, _moe_small.thread_order(x))
+    order = _moe_small.tile_order if tile_order else _moe_small.thread_order
+    assert torch.equal(x_thread, order(x))
 
 
 @interpreter
@@ -181,8 +187,10 @@ def test_split_router_refuses_short_tile_rows() -> None:
 @interpreter
 def test_interpreter_split_router() -> None:
     """40 tokens (two blocks of 32, the second ragged), H = 160 in parts of 64 (the last
-    part half masked)."""
-    check_split_router(random_x(40, 160, seed=51), random_weights(8, 160, 96, seed=50), 64)
+    part half masked); in tile order parts of 128, the second one mostly padding."""
+    x, weights = random_x(40, 160, seed=51), random_weights(8, 160, 96, seed=50)
+    check_split_router(x, weights, 64)
+    check_split_router(x, weights, 64, tile_order=True)  # parts of 128: two steps
 
 
 @interpreter
@@ -231,10 +239,10 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [17, 64, 300])
-def test_gpu_split_router(gpu_weights: MoeWeights, num_tokens: int) -> None:
+@pytest.mark.parametrize(("num_tokens", "tile_order"), [(17, False), (64, False), (300, True)])
+def test_gpu_split_router(gpu_weights: MoeWeights, num_tokens: int, tile_order: bool) -> None:
     x = random_x(num_tokens, 2880, device="cuda", seed=fresh_seed())
-    check_split_router(x, gpu_weights, 192)
+    check_split_router(x, gpu_weights, 192, tile_order)
 
 
 @pytest.mark.gpu
@@ -347,9 +355,11 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
     from gptoss_serve.kernels import _moe_router_split  # noqa: PLC0415
 
     split = dict(H=2880, E=128, E_PAD=128, BLOCK_T=32, BLOCK_K=64, SPLIT_K=192, PDL=True)
-    split |= dict(INTERPRET=False)
+    split |= dict(INTERPRET=False, TILE_ORDER=False, X_STRIDE=0)
+    tile = split | dict(BLOCK_K=128, SPLIT_K=256, TILE_ORDER=True, X_STRIDE=2944)
     finish = dict(NUM_PARTS=15, E=128, E_PAD=128, BLOCK_T=16, TOP_K=4, K_PAD=4, PDL=True)
     for kernel, constexprs in [(_moe_router_split._router_split_kernel, split),
+                               (_moe_router_split._router_split_kernel, tile),
                                (_moe_router_split._router_finish_kernel, finish)]:  # fmt: skip
         ptx = compile_sm90(kernel, constexprs, {"x_ptr": "*bf16", "weight_ptr": "*bf16"},
                            dict(num_warps=4))  # fmt: skip

@@ -133,6 +133,13 @@ def _tile_position(j):
 
 
 @triton.jit
+def _tile_order_step(x):
+    """[R, 128] (one step, natural order) -> the same values in tile order (_tile_position)."""
+    x = tl.reshape(x, [x.shape[0], 4, 4, 2, 2, 2])  # t q h m p
+    return tl.reshape(tl.permute(x, (0, 2, 4, 1, 5, 3)), [x.shape[0], 128])  # q m t p h
+
+
+@triton.jit
 def _columns_gate_up_kernel(
     x_thread_ptr, group_expert_ptr, group_pairs_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr,
     alpha, limit,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gptoss_serve.kernels._moe_columns import _tile_position
+from gptoss_serve.kernels._moe_columns import _tile_order_step
 from gptoss_serve.kernels._moe_common import _dot
 from gptoss_serve.kernels._moe_decode import _thread_order
 from gptoss_serve.kernels._moe_routing import _topk_softmax
@@ -35,8 +35,9 @@ def _router_split_kernel(
     TILE_ORDER: tl.constexpr = False, X_STRIDE: tl.constexpr = 0,
 ):  # fmt: skip
     """partial[part, tokens, :] = x[tokens, part's columns] @ Wr[:, part's columns]^T.
-    TILE_ORDER: x is copied in the GEMV tile's column order (rows X_STRIDE apart; the padding
-    past H is never read unmasked) instead of thread order."""
+    TILE_ORDER: x is copied in the GEMV tile's column order (rows X_STRIDE apart, whole steps
+    of 128: BLOCK_K and SPLIT_K multiples of 128; the padding past H is written as zeros)
+    instead of thread order."""
     if PDL:  # x comes from the previous kernel
         gdc_wait()
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -51,9 +52,10 @@ def _router_split_kernel(
         w_mask = (experts < E)[:, None] & (ks < H)[None, :]
         w = tl.load(weight_ptr + experts[:, None] * H + ks[None, :], mask=w_mask, other=0.0)
         acc = _dot(x, tl.trans(w), acc, INTERPRET)
-        if TILE_ORDER:
-            tl.store(x_thread_ptr + tokens[:, None] * X_STRIDE + _tile_position(ks)[None, :], x,
-                     mask=x_mask)  # fmt: skip
+        if TILE_ORDER:  # BLOCK_K = 128 from a multiple of 128: one whole step, contiguous
+            in_row = ks < 128 * ((H + 127) // 128)  # the last part may reach past the padding
+            tl.store(x_thread_ptr + tokens[:, None] * X_STRIDE + ks[None, :], _tile_order_step(x),
+                     mask=token_mask[:, None] & in_row[None, :])  # fmt: skip
         else:
             tl.store(x_thread_ptr + tokens[:, None] * H + ks[None, :], _thread_order(x, BLOCK_K),
                      mask=x_mask)  # fmt: skip

@@ -331,6 +331,8 @@ def _launch_wide_router(
     num_tokens, hidden = x.shape
     top_k, num_experts = ids.shape[1], weights.num_experts
     e_pad, block_t, block_k = max(16, _pow2(num_experts)), 32, min(64, split_k)
+    if tile_order:  # whole 128-column steps, each permuted in registers and stored at once
+        block_k, split_k = 128, 128 * triton.cdiv(split_k, 128)
     num_parts = triton.cdiv(hidden, split_k)
     if tile_order and x_thread.shape[1] < 128 * triton.cdiv(hidden, 128):
         raise ValueError(f"tile order needs x_thread rows of whole 128-steps, got {x_thread.shape}")
