@@ -37,7 +37,7 @@ from gptoss_serve.kernels.moe import MoeWeights
 DECODE_MAX_TOKENS = 1024
 # Largest T of _router_kernel (every program holds all T tokens' activations: 13.6 / 30 /
 # 48.8 us at 16 / 32 / 64 tokens on the H200); above it the router GEMM split over K
-# (_moe_router_split.py) writes the routing and x in thread order.
+# (_moe_router_split.py) writes the routing and x in thread or tile order.
 ROUTER_MAX_TOKENS = 16
 ROUTER_SPLIT_K = 192  # columns of H per router program (2880 = 15 parts)
 
@@ -67,7 +67,7 @@ class DecodeTiles:
     # pairs (the MMA's columns). The GEMV tiles are then gate_up_rows / down_rows rows (split
     # 1), with the same warps and stages; the routing must come from the router.
     group_columns: bool = False
-    group_size: int = 8  # pairs per group (group_columns): 8 (one n8 MMA) or 16 (two)
+    group_size: int = 8  # pairs per group (group_columns): 8 to 64, one to eight n8 MMAs
     # group_columns: activations stored in the GEMV tile's column order (a plain [128, NC]
     # load per step) rather than thread order (4 contiguous 16-byte runs per thread, permuted
     # in registers)
