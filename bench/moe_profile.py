@@ -81,14 +81,13 @@ def make_case(weights: MoeWeights, tokens: int, calls: int | None = None) -> Cas
         return [torch.empty(shape, dtype=dtype, device=DEVICE) for _ in range(calls)]
 
     tiles = small.decode_tiles_for(tokens)
-    width = 128 * -(-h_dim // 128) if tiles.tile_order else h_dim  # tile order: whole steps
     case = Case(
         xs,
         empty(tokens, e, dtype=torch.float32),
-        empty(tokens, width, dtype=torch.bfloat16),
+        empty(tokens, small.row_width(h_dim, tiles.tile_order), dtype=torch.bfloat16),
         empty(tokens, TOP_K, dtype=torch.int32),
         empty(tokens, TOP_K, dtype=torch.float32),
-        empty(tokens * TOP_K, i_dim, dtype=torch.bfloat16),
+        empty(tokens * TOP_K, small.row_width(i_dim, tiles.tile_order), dtype=torch.bfloat16),
         empty(tokens, h_dim, dtype=torch.bfloat16),
         statistics.mean(
             torch.unique(route(router_logits_reference(x, weights), TOP_K)[1]).numel() for x in xs

@@ -159,7 +159,7 @@ def check_split_router(
     num_tokens, hidden = x.shape
     ids = torch.full((num_tokens, 4), -7, dtype=torch.int32, device=x.device)
     gates = poisoned((num_tokens, 4), torch.float32, str(x.device))
-    width = -(-hidden // 128) * 128 if tile_order else hidden
+    width = _moe_small.row_width(hidden, tile_order)
     x_thread = poisoned((num_tokens, width), torch.bfloat16, str(x.device))
     _moe_small._launch_wide_router(
         x, weights, x_thread, ids, gates, split_k=split_k, tile_order=tile_order
@@ -330,7 +330,7 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
         if group_size:
             tiles = dataclasses.replace(tiles, group_size=group_size)
         common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
-        stride = 2944 if tiles.tile_order else 0  # tile order: rows of 23 steps of 128
+        stride = 2944 if tiles.tile_order else 2880  # tile order: rows of 23 steps of 128
         common |= dict(TILE_ORDER=tiles.tile_order, H_STRIDE=stride) | steps
         for kernel, constexprs, warps, stages in [
             (_moe_columns._columns_gate_up_kernel,
@@ -355,7 +355,7 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
     from gptoss_serve.kernels import _moe_router_split  # noqa: PLC0415
 
     split = dict(H=2880, E=128, E_PAD=128, BLOCK_T=32, BLOCK_K=64, SPLIT_K=192, PDL=True)
-    split |= dict(INTERPRET=False, TILE_ORDER=False, X_STRIDE=0)
+    split |= dict(INTERPRET=False, TILE_ORDER=False, X_STRIDE=2880)
     tile = split | dict(BLOCK_K=128, SPLIT_K=256, TILE_ORDER=True, X_STRIDE=2944)
     finish = dict(NUM_PARTS=15, E=128, E_PAD=128, BLOCK_T=16, TOP_K=4, K_PAD=4, PDL=True)
     for kernel, constexprs in [(_moe_router_split._router_split_kernel, split),

@@ -146,12 +146,12 @@ def _columns_gate_up_kernel(
     H: tl.constexpr, N: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr,
     COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr = False,
-    X_STRIDE: tl.constexpr = 0, H_STRIDE: tl.constexpr = 0,
+    PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
+    X_STRIDE: tl.constexpr, H_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """h[pair, units of rows n0 .. n0 + BN) for the group's pairs (rows interleaved gate/up).
-    TILE_ORDER: x rows (X_STRIDE apart) are in tile order, and so are the h rows written
-    (H_STRIDE apart); else both in thread order, H and N / 2 apart."""
+    x rows (X_STRIDE apart) and the h rows written (H_STRIDE apart) are in tile order with
+    TILE_ORDER, else in thread order."""
     G: tl.constexpr = H // 32
     n0 = tl.program_id(0) * BN  # row tiles fastest: one expert's tiles run together
     if PDL:
@@ -164,9 +164,8 @@ def _columns_gate_up_kernel(
     block_rows, scale_rows, row_groups, t = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, H, BN
     )
-    x_stride = X_STRIDE if TILE_ORDER else H
     acc = _mxfp4_gemv(
-        block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * x_stride,
+        block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
         tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER,
     )  # fmt: skip
     if PDL:
@@ -181,11 +180,9 @@ def _columns_gate_up_kernel(
     units = n0 // 2 + tl.arange(0, BN // 2)  # units j, stored at their down-GEMV position
     if TILE_ORDER:
         position = _tile_position(units)
-        h_stride = H_STRIDE
     else:
         position = (units & ~7) | ((units & 1) << 2) | (units & 2) | ((units >> 2) & 1)
-        h_stride = N // 2
-    ptrs = h_ptr + pairs.to(tl.int64)[None, :] * h_stride + position[:, None]
+    ptrs = h_ptr + pairs.to(tl.int64)[None, :] * H_STRIDE + position[:, None]
     tl.store(ptrs, h, mask=(units < N // 2)[:, None] & valid[None, :])
 
 
@@ -196,10 +193,11 @@ def _columns_down_kernel(
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr,
     COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr = False,
-    H_STRIDE: tl.constexpr = 0,
+    PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
+    H_STRIDE: tl.constexpr,
 ):  # fmt: skip
-    """y[pair, n0 : n0 + BN] fp32 = w_pair · (h_pair @ Wd[expert][rows]^T + bd[rows])."""
+    """y[pair, n0 : n0 + BN] fp32 = w_pair · (h_pair @ Wd[expert][rows]^T + bd[rows]); h rows
+    H_STRIDE apart, in tile order with TILE_ORDER, else in thread order."""
     G: tl.constexpr = K // 32
     n0 = tl.program_id(0) * BN
     if PDL:
@@ -212,8 +210,7 @@ def _columns_down_kernel(
     block_rows, scale_rows, row_groups, t = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, K, BN
     )
-    h_stride = H_STRIDE if TILE_ORDER else K
-    col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * h_stride
+    col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * H_STRIDE
     acc = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
         BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER,

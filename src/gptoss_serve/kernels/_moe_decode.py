@@ -33,7 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._moe_common import _to_bf16
 from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _tile_slots
-from gptoss_serve.kernels._moe_routing import _topk_softmax
+from gptoss_serve.kernels._moe_routing import _topk_softmax, _write_routing
 
 
 @triton.jit
@@ -116,12 +116,9 @@ def _route_when_last(
             other=float("-inf"),
             cache_modifier=".cg",
         )
-        ids, weights = _topk_softmax(logits, TOP_K, K_PAD)
-        slots = tl.arange(0, K_PAD)
-        pairs = tokens[:, None] * TOP_K + slots[None, :]
-        valid = token_mask[:, None] & (slots < TOP_K)[None, :]
-        tl.store(expert_ids_ptr + pairs, ids, mask=valid)
-        tl.store(routing_weights_ptr + pairs, weights, mask=valid)
+        _write_routing(
+            expert_ids_ptr, routing_weights_ptr, logits, tokens, token_mask, TOP_K, K_PAD
+        )
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
 
 

@@ -24,7 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gptoss_serve.kernels._moe_columns import _tile_order_step
 from gptoss_serve.kernels._moe_common import _dot
 from gptoss_serve.kernels._moe_decode import _thread_order
-from gptoss_serve.kernels._moe_routing import _topk_softmax
+from gptoss_serve.kernels._moe_routing import _write_routing
 
 
 @triton.jit
@@ -32,12 +32,12 @@ def _router_split_kernel(
     x_ptr, weight_ptr, partial_ptr, x_thread_ptr, num_tokens, stride_x,
     H: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
-    TILE_ORDER: tl.constexpr = False, X_STRIDE: tl.constexpr = 0,
+    TILE_ORDER: tl.constexpr, X_STRIDE: tl.constexpr,
 ):  # fmt: skip
-    """partial[part, tokens, :] = x[tokens, part's columns] @ Wr[:, part's columns]^T.
-    TILE_ORDER: x is copied in the GEMV tile's column order (rows X_STRIDE apart, whole steps
-    of 128: BLOCK_K and SPLIT_K multiples of 128; the padding past H is written as zeros)
-    instead of thread order."""
+    """partial[part, tokens, :] = x[tokens, part's columns] @ Wr[:, part's columns]^T. x is
+    copied (rows X_STRIDE apart) in thread order, or with TILE_ORDER in the GEMV tile's column
+    order (whole steps of 128: BLOCK_K and SPLIT_K multiples of 128; the padding past H is
+    written as zeros)."""
     if PDL:  # x comes from the previous kernel
         gdc_wait()
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -57,7 +57,8 @@ def _router_split_kernel(
             tl.store(x_thread_ptr + tokens[:, None] * X_STRIDE + ks[None, :], _tile_order_step(x),
                      mask=token_mask[:, None] & in_row[None, :])  # fmt: skip
         else:
-            tl.store(x_thread_ptr + tokens[:, None] * H + ks[None, :], _thread_order(x, BLOCK_K),
+            tl.store(x_thread_ptr + tokens[:, None] * X_STRIDE + ks[None, :],
+                     _thread_order(x, BLOCK_K),
                      mask=x_mask)  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -85,9 +86,4 @@ def _router_finish_kernel(
         logits += tl.load(partial_ptr + rows, mask=mask, other=0.0)
     bias = tl.load(bias_ptr + experts, mask=experts < E, other=0.0).to(tl.float32)
     logits = tl.where((experts < E)[None, :], logits + bias[None, :], float("-inf"))
-    ids, weights = _topk_softmax(logits, TOP_K, K_PAD)
-    slots = tl.arange(0, K_PAD)
-    pairs = tokens[:, None] * TOP_K + slots[None, :]
-    valid = token_mask[:, None] & (slots < TOP_K)[None, :]
-    tl.store(expert_ids_ptr + pairs, ids, mask=valid)
-    tl.store(routing_weights_ptr + pairs, weights, mask=valid)
+    _write_routing(expert_ids_ptr, routing_weights_ptr, logits, tokens, token_mask, TOP_K, K_PAD)

@@ -73,6 +73,21 @@ def _topk_softmax(logits, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
 
 
 @triton.jit
+def _write_routing(
+    expert_ids_ptr, routing_weights_ptr, logits, tokens, token_mask,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+):  # fmt: skip
+    """Top-k + softmax of ``logits`` [BT, E_PAD] (-inf in padding), stored for ``tokens``
+    [BT] (where ``token_mask``) as expert ids [T, k] int32 and routing weights [T, k] fp32."""
+    ids, weights = _topk_softmax(logits, TOP_K, K_PAD)
+    slots = tl.arange(0, K_PAD)
+    pairs = tokens[:, None] * TOP_K + slots[None, :]
+    valid = token_mask[:, None] & (slots < TOP_K)[None, :]
+    tl.store(expert_ids_ptr + pairs, ids, mask=valid)
+    tl.store(routing_weights_ptr + pairs, weights, mask=valid)
+
+
+@triton.jit
 def _router_kernel(
     x_ptr, weight_ptr, bias_ptr, logits_ptr, num_tokens, num_experts, stride_x,
     HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -104,12 +119,9 @@ def _router_topk_kernel(
         HIDDEN, BLOCK_K, INTERPRET,
     )  # fmt: skip
     logits = tl.where((experts < num_experts)[None, :], logits, float("-inf"))
-    ids, weights = _topk_softmax(logits, TOP_K, K_PAD)
-    slots = tl.arange(0, K_PAD)
-    pairs = tokens[:, None] * TOP_K + slots[None, :]
-    valid = (tokens < num_tokens)[:, None] & (slots < TOP_K)[None, :]
-    tl.store(expert_ids_ptr + pairs, ids, mask=valid)
-    tl.store(routing_weights_ptr + pairs, weights, mask=valid)
+    _write_routing(
+        expert_ids_ptr, routing_weights_ptr, logits, tokens, tokens < num_tokens, TOP_K, K_PAD
+    )
 
 
 @triton.jit

@@ -19,6 +19,7 @@ See _moe_gemv.py for the tile layout and the decode, _moe_decode.py for the kern
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -100,6 +101,12 @@ class DecodeTiles:
             raise ValueError(f"group_size must be one of {columns.GROUP_SIZES}, got {self}")
 
 
+# The grouped-columns rows' common tiles: 64 rows unsplit for both GEMVs, 2 warps, 4 stages.
+_COLUMNS = DecodeTiles(
+    group_columns=True, gate_up_rows=64, gate_up_split=1, down_rows=64, down_split=1,
+    down_warps=2,
+)  # fmt: skip
+
 # By token count (first entry with T ≤ its bound), from bench/moe_profile.py on the H200 (v2,
 # d6597e1: its "best tiles" at T = 1, 4, 16). At T = 1 the K split gives the SMs enough warps
 # (gate_up 1440, down 1440 at 120b shapes, all resident at once); more tokens bring their own.
@@ -117,17 +124,7 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # per-pair kernels win (bench/RESULTS.md v5, H200). 64-row tiles for both (2 warps, 4
     # stages), from moe_profile.py's columns sweep: the whole MoE at 24 / 32 / 64 tokens
     # 455 / 530 / 745 -> ~415 / 470 / 651 us against 32-row tiles.
-    (
-        64,
-        DecodeTiles(
-            group_columns=True,
-            gate_up_rows=64,
-            gate_up_split=1,
-            down_rows=64,
-            down_split=1,
-            down_warps=2,
-        ),
-    ),
+    (64, _COLUMNS),
     # 65-1024 tokens (large decode batches and short prefills; the grouped GEMMs took them
     # before). H200, moe_profile.py's columns sweep at 128 and 256 tokens and
     # moe_prefill_columns.py at 256-2048: groups of 8 pairs with 64-row tiles and 4-warp down
@@ -136,43 +133,12 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # MoE per layer against the grouped GEMMs: 128 / 256 / 1024 tokens 685 / 749 / 1,601 us
     # against 1,557 / 1,623 / 1,842 us; at 2048 they tie (2,734 / 2,762), so the switch sits
     # at 1024.
-    (
-        128,
-        DecodeTiles(
-            group_columns=True,
-            gate_up_rows=64,
-            gate_up_split=1,
-            down_rows=64,
-            down_split=1,
-            down_warps=4,
-        ),
-    ),
-    (
-        384,
-        DecodeTiles(
-            group_columns=True,
-            group_size=16,
-            tile_order=True,
-            gate_up_rows=64,
-            gate_up_split=1,
-            down_rows=64,
-            down_split=1,
-            down_warps=2,
-        ),
-    ),
+    (128, dataclasses.replace(_COLUMNS, down_warps=4)),
+    (384, dataclasses.replace(_COLUMNS, group_size=16, tile_order=True)),
     (
         DECODE_MAX_TOKENS,
-        DecodeTiles(
-            group_columns=True,
-            group_size=32,
-            tile_order=True,
-            gate_up_rows=64,
-            gate_up_split=1,
-            gate_up_stages=3,
-            down_rows=64,
-            down_split=1,
-            down_warps=2,
-            down_stages=3,
+        dataclasses.replace(
+            _COLUMNS, group_size=32, tile_order=True, gate_up_stages=3, down_stages=3
         ),
     ),
 )
@@ -206,10 +172,10 @@ def tile_order(x: torch.Tensor) -> torch.Tensor:
     """[T, H] -> [T, 128·ceil(H / 128)] in the GEMV tile's column order, zero padded: in each
     step of 128, element 32t + 8q + 4h + 2m + p goes to column 32q + 16m + 4t + 2p + h."""
     t, h = x.shape
-    steps = -(-h // 128)
-    padded = torch.nn.functional.pad(x, (0, steps * 128 - h))
-    tiles = padded.reshape(t, steps, 4, 4, 2, 2, 2)  # t q h m p
-    return tiles.permute(0, 1, 3, 5, 2, 6, 4).reshape(t, steps * 128)  # q m t p h
+    width = row_width(h, True)
+    padded = torch.nn.functional.pad(x, (0, width - h))
+    tiles = padded.reshape(t, width // 128, 4, 4, 2, 2, 2)  # t q h m p
+    return tiles.permute(0, 1, 3, 5, 2, 6, 4).reshape(t, width)  # q m t p h
 
 
 def mxfp4_moe_decode(
@@ -240,16 +206,16 @@ def mxfp4_moe_decode(
         top_k = expert_ids.shape[1]
         ids = expert_ids.to(torch.int32).contiguous()
         gates = routing_weights.to(torch.float32).contiguous()
-        x_thread, logits = thread_order(x).contiguous(), None
-        routed_here, tile_in_router = True, False  # given: the GEMVs read it
+        x_thread = tile_order(x) if tiles.tile_order else thread_order(x).contiguous()
+        logits, routed_here = None, True  # given: the GEMVs read it
     else:
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
         gates = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
         # x for the GEMVs: thread order, or tile order (padded to whole steps) when the
         # K-split router can write it so.
         tile_in_router = tiles.tile_order and num_tokens > ROUTER_MAX_TOKENS
-        width = 128 * triton.cdiv(hidden, 128) if tile_in_router else hidden
-        x_thread = _scratch((num_tokens, width), torch.bfloat16, device, poison)
+        x_thread = _scratch((num_tokens, row_width(hidden, tile_in_router)), torch.bfloat16,
+                            device, poison)  # fmt: skip
         logits = _scratch((num_tokens, weights.num_experts), torch.float32, device, poison)
         # The router's last program writes the routing once, or gate_up computes it from the
         # logits (and writes it for down). Past ROUTER_MAX_TOKENS the K-split router does.
@@ -259,12 +225,13 @@ def mxfp4_moe_decode(
         )
         if num_tokens > ROUTER_MAX_TOKENS:
             logits = None  # not computed
-    h = _scratch((num_tokens * top_k, weights.intermediate_size), torch.bfloat16, device, poison)
+        if tiles.tile_order and not tile_in_router:  # the decode router writes thread order
+            x_thread = tile_order(x)
+    inter_width = row_width(weights.intermediate_size, tiles.tile_order)
+    h = _scratch((num_tokens * top_k, inter_width), torch.bfloat16, device, poison)
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
     if tiles.group_columns:
-        if tiles.tile_order and not tile_in_router:
-            x_thread = tile_order(x)
         launch_columns(
             weights, x_thread, ids, gates, h=h, out=out, tiles=tiles, alpha=alpha, limit=limit,
             poison=poison,
@@ -334,8 +301,7 @@ def _launch_wide_router(
     if tile_order:  # whole 128-column steps, each permuted in registers and stored at once
         block_k, split_k = 128, 128 * triton.cdiv(split_k, 128)
     num_parts = triton.cdiv(hidden, split_k)
-    if tile_order and x_thread.shape[1] < 128 * triton.cdiv(hidden, 128):
-        raise ValueError(f"tile order needs x_thread rows of whole 128-steps, got {x_thread.shape}")
+    _check_rows("x_thread", x_thread, hidden, tile_order)
     partial = torch.empty(num_parts, num_tokens, num_experts, dtype=torch.float32,
                           device=x.device)  # fmt: skip
     router_split._router_split_kernel[(triton.cdiv(num_tokens, block_t), num_parts)](
@@ -424,7 +390,8 @@ def launch_columns(
     """out [T, H] from x_thread and the routing ``ids``/``gates`` [T, k], the pairs grouped by
     expert (_moe_columns.py): group, gate_up, down into per-pair rows, the sum over each
     token's pairs. Four launches, a fixed grid, no host sync. With ``tiles.tile_order``
-    x_thread is x in tile order (``tile_order``) and ``h`` is replaced by a tile-order one."""
+    x_thread is x in tile order (``tile_order``) and ``h`` [T·k, 128·ceil(I / 128)] receives
+    h in it."""
     num_tokens, hidden = out.shape
     top_k, inter = ids.shape[1], weights.intermediate_size
     num_pairs = num_tokens * top_k
@@ -433,10 +400,9 @@ def launch_columns(
     cols = tiles.group_size
     group_expert, group_pairs = group(ids, weights.num_experts, tiles)
     g_max = group_expert.shape[0]
-    order: dict = {}
-    if tiles.tile_order:
-        h = _scratch((num_pairs, 128 * triton.cdiv(inter, 128)), torch.bfloat16, device, poison)
-        order = dict(TILE_ORDER=True, H_STRIDE=h.stride(0))
+    _check_rows("x_thread", x_thread, hidden, tiles.tile_order)
+    _check_rows("h", h, inter, tiles.tile_order)
+    order = dict(TILE_ORDER=tiles.tile_order, H_STRIDE=h.stride(0))
     rows = tiles.gate_up_rows
     columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
@@ -445,7 +411,7 @@ def launch_columns(
         **_full_steps(hidden), NUM_STAGES=tiles.gate_up_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=pdl,
-        **order, **({"X_STRIDE": x_thread.stride(0)} if tiles.tile_order else {}),
+        X_STRIDE=x_thread.stride(0), **order,
     )  # fmt: skip
     y = _scratch((num_pairs, hidden), torch.float32, device, poison)
     rows = tiles.down_rows
@@ -488,6 +454,19 @@ def sum_pairs(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
         y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=_SUM_BLOCK,
         INTERPRET=_interpreting(),
     )  # fmt: skip
+
+
+def row_width(k: int, tile_order: bool) -> int:
+    """Row length of GEMV activations of K columns: whole 128-column steps in tile order."""
+    return 128 * triton.cdiv(k, 128) if tile_order else k
+
+
+def _check_rows(name: str, buffer: torch.Tensor, k: int, tile_order: bool) -> None:
+    """A buffer too short for its order would be written past its rows: refuse it."""
+    width = row_width(k, tile_order)
+    if buffer.shape[1] < width:
+        raise ValueError(f"{name} rows must hold {width} columns (tile order: whole "
+                         f"128-steps), got {tuple(buffer.shape)}")  # fmt: skip
 
 
 def _full_steps(k: int) -> dict[str, int]:
