@@ -25,12 +25,18 @@ from kernels import graph_time_ms
 
 logger = logging.getLogger(__name__)
 CALLS = 4
-# (group_size, gate_up rows, down rows, warps, stages, activations in tile order)
+# (group_size, gate_up rows, down rows, warps, stages, activation order: 0 thread, 1 tile
+# order for mma.sync, 2 tile order for wgmma). --all adds the older thread / mma.sync ones.
 VARIANTS = [
-    (8, 128, 128, 4, 4, False), (8, 128, 128, 4, 4, True), (8, 64, 64, 2, 4, True),
-    (16, 64, 64, 2, 4, True), (32, 64, 64, 2, 3, False), (32, 64, 64, 2, 3, True),
-    (32, 64, 64, 4, 3, True), (32, 128, 128, 4, 3, True), (64, 64, 64, 2, 3, True),
-    (64, 128, 128, 4, 3, True), (64, 128, 128, 8, 3, True),
+    (32, 64, 64, 2, 3, 1), (32, 128, 128, 4, 3, 2), (64, 128, 128, 4, 3, 2),
+    (64, 128, 128, 8, 3, 2), (128, 128, 128, 8, 2, 2), (128, 128, 128, 8, 3, 2),
+    (256, 128, 128, 8, 2, 2), (64, 64, 64, 4, 3, 2), (128, 64, 64, 4, 3, 2),
+    (128, 256, 256, 8, 2, 2),
+]  # fmt: skip
+OLD_VARIANTS = [
+    (8, 128, 128, 4, 4, 0), (8, 128, 128, 4, 4, 1), (8, 64, 64, 2, 4, 1), (16, 64, 64, 2, 4, 1),
+    (32, 64, 64, 2, 3, 0), (32, 64, 64, 4, 3, 1), (32, 128, 128, 4, 3, 1), (64, 64, 64, 2, 3, 1),
+    (64, 128, 128, 4, 3, 1), (64, 128, 128, 8, 3, 1),
 ]  # fmt: skip
 
 
@@ -47,7 +53,10 @@ def group_only(ids: torch.Tensor, cols: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="512,1024,2048,8192")
+    parser.add_argument("--all", action="store_true", help="also the older variants")
+    parser.add_argument("--no-grouped", action="store_true", help="skip the grouped GEMMs")
     args = parser.parse_args()
+    variants = VARIANTS + (OLD_VARIANTS if args.all else [])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     config = ModelConfig.from_dict(preset_config("120b"))
     weights = random_moe_weights(config)
@@ -56,18 +65,20 @@ def main() -> int:
     for tokens in (int(t) for t in args.tokens.split(",")):
         xs = [_normal((tokens, 2880), 1.0, "cuda") for _ in range(CALLS)]
         tiles = grouped.tiles_for(tokens, 128)
-        us = timed(lambda i, t=tiles, xs=xs: grouped.mxfp4_moe_triton(xs[i], weights, tiles=t))
-        rows.append((tokens, "grouped GEMMs", us))
+        if not args.no_grouped:
+            us = timed(lambda i, t=tiles, xs=xs: grouped.mxfp4_moe_triton(xs[i], weights, tiles=t))
+            rows.append((tokens, "grouped GEMMs", us))
         ref = grouped.mxfp4_moe_triton(xs[0], weights, tiles=tiles).double()
         ids = [grouped.route_triton(x, weights, top_k=4, tiles=tiles)[0] for x in xs]
-        for cols in (8, 32):
+        for cols in (8, 32, 128):
             us = timed(lambda i, ids=ids, c=cols: group_only(ids[i], c))
             rows.append((tokens, f"group kernel alone, {cols} columns", us))
-        for cols, gu_rows, down_rows, warps, stages, tile in VARIANTS:
+        for cols, gu_rows, down_rows, warps, stages, order in variants:
             t = dataclasses.replace(
                 small.decode_tiles_for(384), group_size=cols, gate_up_rows=gu_rows,
                 down_rows=down_rows, gate_up_warps=warps, down_warps=warps,
-                gate_up_stages=stages, down_stages=stages, tile_order=tile,
+                gate_up_stages=stages, down_stages=stages, tile_order=order > 0,
+                wgmma_order=order == 2,
             )  # fmt: skip
             try:
                 us = timed(lambda i, t=t, xs=xs: small.mxfp4_moe_decode(xs[i], weights, tiles=t))
@@ -76,8 +87,8 @@ def main() -> int:
             except Exception as exc:  # a tile that does not compile: report, go on
                 logger.warning("T=%d %s: %s", tokens, t, exc)
                 continue
-            order = "tile" if tile else "thread"
-            rows.append((tokens, f"columns {cols} {gu_rows}/{down_rows} w{warps} s{stages} {order} "
+            name = ("thread", "tile", "wgmma")[order]
+            rows.append((tokens, f"columns {cols} {gu_rows}/{down_rows} w{warps} s{stages} {name} "
                          f"(max_rel {err:.1e})", us))  # fmt: skip
         torch.cuda.empty_cache()
     out = sys.stdout

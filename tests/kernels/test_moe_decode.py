@@ -106,19 +106,20 @@ def _decode_variants() -> list:
 
 @interpreter
 @pytest.mark.parametrize(
-    ("num_tokens", "group_size", "tile_order"),
-    [(1, 8, False), (20, 8, False), (80, 16, False), (1, 8, True), (20, 8, True), (80, 32, True)],
-)
-def test_interpreter_grouped_columns(num_tokens: int, group_size: int, tile_order: bool) -> None:
+    ("num_tokens", "group_size", "order"),
+    [(1, 8, 0), (20, 8, 0), (80, 16, 0), (1, 8, 1), (20, 8, 1), (80, 32, 1), (20, 16, 2),
+     (80, 64, 2)],
+)  # fmt: skip
+def test_interpreter_grouped_columns(num_tokens: int, group_size: int, order: int) -> None:
     """Pairs grouped by expert: 20 tokens over 8 experts put ~10 pairs on an expert, so an
     expert takes two groups of 8 columns; 80 tokens (320 pairs) are routed by the K-split
-    router, ~40 pairs an expert in groups of 16 or 32; activations in thread or tile order.
-    Poisoned scratch, the kernels' own routing."""
+    router, ~40 pairs an expert in groups of 16 to 64; activations in thread order (0) or a
+    tile order (1: mma.sync's, 2: wgmma's). Poisoned scratch, the kernels' own routing."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
 
     tiles = _moe_small.DecodeTiles(
         group_columns=True, group_size=group_size, gate_up_rows=32, gate_up_split=1,
-        down_rows=16, down_split=1, tile_order=tile_order,
+        down_rows=16, down_split=1, tile_order=order > 0, wgmma_order=order == 2,
     )  # fmt: skip
     check_decode_routing(random_x(num_tokens, 160, seed=41), random_weights(8, 160, 96, seed=40),
                          tiles)  # fmt: skip
@@ -149,27 +150,67 @@ def test_interpreter_groups(num_pairs: int, group_size: int) -> None:
     check_groups("cpu", num_pairs, 128, group_size, seed=num_pairs)
 
 
-def check_split_router(
-    x: torch.Tensor, weights: MoeWeights, split_k: int, tile_order: bool = False
-) -> None:
+def check_table_groups(device: str, num_pairs: int, group_size: int, seed: int) -> None:
+    """Past SORT_MAX_PAIRS, the count / block table / scatter grouping: the same experts per
+    group as the reference and the same pairs in each group (the scatter's atomics may order
+    a group's pairs differently, which changes no value)."""
+    from gptoss_serve.kernels import _moe_columns, _moe_small  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.rand(128, generator=generator) ** 3
+    ids = torch.multinomial(weights, num_pairs, replacement=True, generator=generator)
+    ids = ids.to(torch.int32).reshape(-1, 4).to(device)
+    tiles = _moe_small.DecodeTiles(
+        group_columns=True, group_size=group_size, gate_up_split=1, down_rows=16, down_split=1
+    )
+    assert num_pairs > _moe_columns.SORT_MAX_PAIRS
+    group_expert, group_pairs = _moe_small.group(ids, 128, tiles)
+    g_max = _moe_columns.max_groups(num_pairs, 128, group_size)
+    expected = _moe_columns.groups_reference(ids, 128, group_size, g_max)
+    assert torch.equal(group_expert.cpu(), expected[0])
+    assert torch.equal(group_pairs.cpu().sort(dim=1).values, expected[1].sort(dim=1).values)
+
+
+@interpreter
+def test_interpreter_table_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
+
+    monkeypatch.setattr(_moe_columns, "SORT_MAX_PAIRS", 64)
+    check_table_groups("cpu", 300, 16, seed=3)
+
+
+@interpreter
+def test_interpreter_grouped_columns_by_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped columns end to end with their groups from the block table (wgmma order,
+    groups of 32: 200 tokens put ~100 pairs on each of 8 experts)."""
+    from gptoss_serve.kernels import _moe_columns, _moe_small  # noqa: PLC0415
+
+    monkeypatch.setattr(_moe_columns, "SORT_MAX_PAIRS", 64)
+    tiles = _moe_small.DecodeTiles(
+        group_columns=True, group_size=32, gate_up_rows=32, gate_up_split=1, down_rows=16,
+        down_split=1, tile_order=True, wgmma_order=True,
+    )  # fmt: skip
+    check_decode_routing(random_x(200, 160, seed=43), random_weights(8, 160, 96, seed=42),
+                         tiles)  # fmt: skip
+
+
+def check_split_router(x: torch.Tensor, weights: MoeWeights, split_k: int, order: int = 0) -> None:
     """The K-split router: top-k ids and weights equal the fp32 reference's on clear tokens,
-    and x_thread is x in thread order (or tile order, zero padded), bit for bit."""
+    and x_thread is x in thread order (or a tile order, zero padded), bit for bit."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
 
     num_tokens, hidden = x.shape
     ids = torch.full((num_tokens, 4), -7, dtype=torch.int32, device=x.device)
     gates = poisoned((num_tokens, 4), torch.float32, str(x.device))
-    width = _moe_small.row_width(hidden, tile_order)
+    width = _moe_small.row_width(hidden, order > 0)
     x_thread = poisoned((num_tokens, width), torch.bfloat16, str(x.device))
-    _moe_small._launch_wide_router(
-        x, weights, x_thread, ids, gates, split_k=split_k, tile_order=tile_order
-    )
+    _moe_small._launch_wide_router(x, weights, x_thread, ids, gates, split_k=split_k, order=order)
     expected_ids, expected_weights = reference_routing(x, weights)
     clear = clear_tokens(x, weights)
     assert torch.equal(ids[clear].long(), expected_ids[clear])
     assert_close(gates[clear], expected_weights[clear], max_rel=1e-5, rms_rel=1e-5)
-    order = _moe_small.tile_order if tile_order else _moe_small.thread_order
-    assert torch.equal(x_thread, order(x))
+    expected = _moe_small.tile_order(x, order) if order else _moe_small.thread_order(x)
+    assert torch.equal(x_thread, expected)
 
 
 @interpreter
@@ -181,7 +222,7 @@ def test_split_router_refuses_short_tile_rows() -> None:
     x, weights = random_x(20, 160), random_weights(8, 160, 96)
     ids, gates = torch.empty(20, 4, dtype=torch.int32), torch.empty(20, 4)
     with pytest.raises(ValueError, match="whole 128-steps"):
-        _moe_small._launch_wide_router(x, weights, torch.empty_like(x), ids, gates, tile_order=True)
+        _moe_small._launch_wide_router(x, weights, torch.empty_like(x), ids, gates, order=1)
 
 
 @interpreter
@@ -190,7 +231,8 @@ def test_interpreter_split_router() -> None:
     part half masked); in tile order parts of 128, the second one mostly padding."""
     x, weights = random_x(40, 160, seed=51), random_weights(8, 160, 96, seed=50)
     check_split_router(x, weights, 64)
-    check_split_router(x, weights, 64, tile_order=True)  # parts of 128: two steps
+    check_split_router(x, weights, 64, order=1)  # parts of 128: two steps
+    check_split_router(x, weights, 64, order=2)
 
 
 @interpreter
@@ -239,16 +281,22 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("num_tokens", "tile_order"), [(17, False), (64, False), (300, True)])
-def test_gpu_split_router(gpu_weights: MoeWeights, num_tokens: int, tile_order: bool) -> None:
+@pytest.mark.parametrize(("num_tokens", "order"), [(17, 0), (64, 0), (300, 1), (2000, 2)])
+def test_gpu_split_router(gpu_weights: MoeWeights, num_tokens: int, order: int) -> None:
     x = random_x(num_tokens, 2880, device="cuda", seed=fresh_seed())
-    check_split_router(x, gpu_weights, 192, tile_order)
+    check_split_router(x, gpu_weights, 192, order)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("num_pairs", "group_size"), [(68, 8), (1024, 8), (1536, 16), (4000, 32)])
 def test_gpu_groups(num_pairs: int, group_size: int) -> None:
     check_groups("cuda", num_pairs, 128, group_size, seed=fresh_seed())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_pairs", "group_size"), [(8200, 64), (32768, 128)])
+def test_gpu_table_groups(num_pairs: int, group_size: int) -> None:
+    check_table_groups("cuda", num_pairs, group_size, seed=fresh_seed())
 
 
 @pytest.mark.gpu
@@ -331,7 +379,7 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
             tiles = dataclasses.replace(tiles, group_size=group_size)
         common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
         stride = 2944 if tiles.tile_order else 2880  # tile order: rows of 23 steps of 128
-        common |= dict(TILE_ORDER=tiles.tile_order, H_STRIDE=stride) | steps
+        common |= dict(TILE_ORDER=tiles.order, H_STRIDE=stride) | steps
         for kernel, constexprs, warps, stages in [
             (_moe_columns._columns_gate_up_kernel,
              dict(H=2880, N=5760, BN=tiles.gate_up_rows, NUM_STAGES=tiles.gate_up_stages)

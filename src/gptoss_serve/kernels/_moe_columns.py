@@ -13,7 +13,9 @@ pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
    groups of up to COLS: ``group_expert`` [G_MAX] (-1 past the last group) and
    ``group_pairs`` [G_MAX, COLS] (-1 in unused columns). G_MAX bounds the groups of any
    routing, so the grid is fixed (CUDA graphs); programs of unused groups return at once. No
-   atomics: deterministic.
+   atomics: deterministic. Past SORT_MAX_PAIRS pairs (prefill) one program is too slow, and
+   the grouped GEMMs' multi-program grouping writes a block table that
+   ``_table_groups_kernel`` turns into the same two arrays.
 2. ``_columns_gate_up_kernel``: h[pair] (thread order, bf16) for the BN rows of the group's
    expert, bias and clamped SwiGLU in the epilogue, one column per pair.
 3. ``_columns_down_kernel``: y[pair] fp32 = w_pair · (h_pair @ Wd[expert]^T + bd) for BN rows;
@@ -30,9 +32,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._moe_common import _to_bf16
-from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _tile_slots
+from gptoss_serve.kernels._moe_gemv import _WGMMA, ACC_SCALE, _mxfp4_gemv, _tile_slots
 
-GROUP_SIZES = (8, 16, 32, 64)  # pairs per group: one n8 MMA's columns, or more
+GROUP_SIZES = (8, 16, 32, 64, 128, 256)  # pairs per group: one n8 MMA's columns, or more
+# Past this many pairs the one-program sort gives way to the prefill grouping's count, block
+# table and scatter (_moe_routing.py) and ``_table_groups_kernel``.
+SORT_MAX_PAIRS = 4096
 
 
 def max_groups(num_pairs: int, num_experts: int, group_size: int = 8) -> int:
@@ -99,6 +104,28 @@ def _group_kernel(
 
 
 @triton.jit
+def _table_groups_kernel(
+    sorted_pairs_ptr, block_table_ptr, num_blocks_ptr, group_expert_ptr, group_pairs_ptr,
+    G_MAX: tl.constexpr, COLS: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """The prefill grouping (``block_table`` [3, G_MAX]: expert, first and end row of
+    ``sorted_pairs`` of each block of up to COLS pairs; ``num_blocks`` of them) rewritten as
+    the columns' groups, every entry written (-1 where unused). Within a group the pairs come
+    in the scatter's order, which changes no value: each pair is its own MMA column."""
+    groups = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    in_table = groups < G_MAX
+    live = in_table & (groups < tl.load(num_blocks_ptr))
+    expert = tl.load(block_table_ptr + groups, mask=live, other=-1)
+    start = tl.load(block_table_ptr + G_MAX + groups, mask=live, other=0)
+    end = tl.load(block_table_ptr + 2 * G_MAX + groups, mask=live, other=0)
+    rows = start[:, None] + tl.arange(0, COLS)[None, :]
+    pairs = tl.load(sorted_pairs_ptr + rows, mask=rows < end[:, None], other=-1)
+    tl.store(group_expert_ptr + groups, expert, mask=in_table)
+    entries = groups[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    tl.store(group_pairs_ptr + entries, pairs, mask=in_table[:, None])
+
+
+@triton.jit
 def _group_columns(group_expert_ptr, group_pairs_ptr, group, TOP_K: tl.constexpr,
                    COLS: tl.constexpr):  # fmt: skip
     """(expert int64 (-1: unused group), pairs [COLS] (-1: unused), valid, tokens)."""
@@ -124,18 +151,24 @@ def _expert_rows(blocks_ptr, scales_ptr, expert, n0, N: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _tile_position(j):
+def _tile_position(j, ORDER: tl.constexpr):
     """Where element j of a row sits in tile order: in each step of 128, element 32t + e
-    (e = 8q + 4h + 2m + p) is tile column 32q + 16m + 4t + 2p + h (_moe_gemv.py)."""
+    (e = 8q + 4h + 2m + p) is tile column 32q + 16m + 4t + 2p + h, or with ORDER_WGMMA
+    32q + 16m + 8p + 2t + h (_moe_gemv.py)."""
     r = j % 128
     t, e = r // 32, r % 32
-    return (j - r) + 32 * (e >> 3) + 16 * ((e >> 1) & 1) + 4 * t + 2 * (e & 1) + ((e >> 2) & 1)
+    q, h, m, p = e >> 3, (e >> 2) & 1, (e >> 1) & 1, e & 1
+    if ORDER == _WGMMA:
+        return (j - r) + 32 * q + 16 * m + 8 * p + 2 * t + h
+    return (j - r) + 32 * q + 16 * m + 4 * t + 2 * p + h
 
 
 @triton.jit
-def _tile_order_step(x):
+def _tile_order_step(x, ORDER: tl.constexpr):
     """[R, 128] (one step, natural order) -> the same values in tile order (_tile_position)."""
     x = tl.reshape(x, [x.shape[0], 4, 4, 2, 2, 2])  # t q h m p
+    if ORDER == _WGMMA:
+        return tl.reshape(tl.permute(x, (0, 2, 4, 5, 1, 3)), [x.shape[0], 128])  # q m p t h
     return tl.reshape(tl.permute(x, (0, 2, 4, 1, 5, 3)), [x.shape[0], 128])  # q m t p h
 
 
@@ -150,8 +183,8 @@ def _columns_gate_up_kernel(
     X_STRIDE: tl.constexpr, H_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """h[pair, units of rows n0 .. n0 + BN) for the group's pairs (rows interleaved gate/up).
-    x rows (X_STRIDE apart) and the h rows written (H_STRIDE apart) are in tile order with
-    TILE_ORDER, else in thread order."""
+    x rows (X_STRIDE apart) and the h rows written (H_STRIDE apart) are in the order
+    TILE_ORDER (_moe_gemv.ORDER_*: thread order, or a tile order)."""
     G: tl.constexpr = H // 32
     n0 = tl.program_id(0) * BN  # row tiles fastest: one expert's tiles run together
     if PDL:
@@ -179,7 +212,7 @@ def _columns_gate_up_kernel(
     h = _to_bf16(gate * tl.sigmoid(alpha * gate) * (up + 1.0), INTERPRET)  # [BN/2, COLS]
     units = n0 // 2 + tl.arange(0, BN // 2)  # units j, stored at their down-GEMV position
     if TILE_ORDER:
-        position = _tile_position(units)
+        position = _tile_position(units, TILE_ORDER)
     else:
         position = (units & ~7) | ((units & 1) << 2) | (units & 2) | ((units >> 2) & 1)
     ptrs = h_ptr + pairs.to(tl.int64)[None, :] * H_STRIDE + position[:, None]

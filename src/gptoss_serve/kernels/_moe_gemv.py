@@ -18,7 +18,13 @@ byte stream, not around the MMA:
   k = 32q + 16m + 4t + 2p + h. The activations are stored in the matching "thread order"
   (``thread_order``): within every aligned block of 8, position j holds element swap02(j)
   (bits 0 and 2 exchanged, an involution). Then a thread's activations for one step are 4
-  contiguous 16-byte runs.
+  contiguous 16-byte runs. Or, for the grouped GEMVs, in that tile column order itself
+  (``ORDER_MMA``: a step's [128, NC] activation tile is one plain load).
+- With 4+ warps and 16+ columns Triton emits wgmma, whose register operand (kWidth 2) puts
+  lane t on columns 2t and 2t+1 of each 16, where mma.sync's (kWidth 4) puts it on 4t..4t+3.
+  ``ORDER_WGMMA`` numbers the same decoded values k = 32q + 16m + 8p + 2t + h, which is
+  exactly the wgmma operand's layout: without it Triton moves every decoded weight between
+  lanes (32 SHFL, 64 PRMT and 64 SEL per thread and step at 128 rows x 64 columns).
 - Decode of a 32-bit word w (nibbles n0..n7): for the pair (n_a, n_a+4), 16 bits apart, one
   integer multiply places both nibbles' magnitude bits at bf16 bits 6-8 and their sign bits
   at bit 15 (low half) and 22-24 / 31 (high half): ((w & 0x000F000F) * 0x1040) & 0x81C081C0 for
@@ -41,6 +47,10 @@ import triton.language as tl
 from gptoss_serve.kernels._moe_common import _dot
 
 BLOCK_K = tl.constexpr(128)  # columns per step: 4 lanes x one 32-element MXFP4 group
+# Activation orders (the TILE_ORDER constexpr of the kernels): thread order, or the tile's
+# column order for mma.sync or for wgmma (module docstring).
+ORDER_THREAD, ORDER_MMA, ORDER_WGMMA = 0, 1, 2
+_WGMMA = tl.constexpr(ORDER_WGMMA)  # the same, where the kernels compare with it
 ACC_SCALE = tl.constexpr(2.0**62)  # the decoded weights carry 2^-62 (module docstring)
 
 # $8: a word (nibbles n0..n7), $9: the bf16x2 multiplier 2^(s-63) in both halves.
@@ -108,29 +118,35 @@ def _decode_words(words, scale, PTX: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr):
-    """Decoded [BN, 128] bf16 tile in the column order of the module docstring."""
+def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr, ORDER: tl.constexpr = 0):
+    """Decoded [BN, 128] bf16 tile in the column order of the module docstring (ORDER_WGMMA:
+    the wgmma one, else mma.sync's)."""
     o0, o1, o2, o3, o4, o5, o6, o7 = _decode_words(words, scale, PTX)
     tile = tl.join(
         tl.join(tl.join(o0, o1), tl.join(o2, o3)), tl.join(tl.join(o4, o5), tl.join(o6, o7))
     )  # [4·BN, 4 q, 2 h, 2 p, 2 m]
     tile = tl.reshape(tile, [2, BN // 16, 8, 4, 4, 2, 2, 2])  # i1 m16 g4 t q h p m
-    tile = tl.permute(tile, (1, 0, 2, 4, 7, 3, 6, 5))  # m16 i1 g4 q m t p h
+    if ORDER == _WGMMA:
+        tile = tl.permute(tile, (1, 0, 2, 4, 7, 6, 3, 5))  # m16 i1 g4 q m p t h
+    else:
+        tile = tl.permute(tile, (1, 0, 2, 4, 7, 3, 6, 5))  # m16 i1 g4 q m t p h
     return tl.reshape(tile, [BN, BLOCK_K])
 
 
 @triton.jit
 def _activation_tile(col_ptrs, col_groups, step, MASK_K: tl.constexpr,
-                     TILE_ORDER: tl.constexpr = False):  # fmt: skip
+                     TILE_ORDER: tl.constexpr = 0):  # fmt: skip
     """Step ``step`` (128 columns) of thread-ordered activation rows -> [128, NC] bf16 in the
     tile's column order; ``col_ptrs`` [NC] point at each column's first element, and column c
     has ``col_groups[c]`` valid 32-element groups from there. TILE_ORDER: the rows are stored
-    in the tile's column order already (``tile_order``), 128 per step, so the load is plain."""
+    in the tile's column order already (``tile_order``: TILE_ORDER is ORDER_MMA or
+    ORDER_WGMMA), 128 per step, so the load is plain."""
     if TILE_ORDER:
         k = tl.arange(0, BLOCK_K)[:, None]
         ptrs = col_ptrs[None, :] + step * BLOCK_K + k
-        if MASK_K:  # tile column k belongs to group lane t = (k // 4) % 4
-            return tl.load(ptrs, mask=4 * step + (k // 4) % 4 < col_groups[None, :], other=0.0)
+        if MASK_K:  # tile column k belongs to group lane t: k = ..4t.. or (wgmma) ..2t..
+            lane = (k // 2) % 4 if TILE_ORDER == _WGMMA else (k // 4) % 4
+            return tl.load(ptrs, mask=4 * step + lane < col_groups[None, :], other=0.0)
         return tl.load(ptrs)
     t = tl.arange(0, 4)[None, :, None]
     ptrs = col_ptrs[:, None, None] + step * BLOCK_K + 32 * t + tl.arange(0, 8)[None, None, :]
@@ -186,7 +202,7 @@ def _prefetch_line(ptrs, mask):
 def _gemv_step(
     acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
-    TILE_ORDER: tl.constexpr = False,
+    TILE_ORDER: tl.constexpr = 0,
 ):  # fmt: skip
     """One 128-column step; returns (acc, the next step's scales)."""
     word_ptrs = (block_rows + step * (BLOCK_K // 2)).to(tl.pointer_type(tl.int32))
@@ -197,7 +213,7 @@ def _gemv_step(
         words = tl.load(word_ptrs)
     next_mask = 4 * step + 4 + t < row_groups
     next_scale = _load_scale(scale_rows + 4 * step + 4, next_mask, PTX)
-    tile = _weight_tile(words, scale, BN, PTX)
+    tile = _weight_tile(words, scale, BN, PTX, TILE_ORDER)
     activations = _activation_tile(col_ptrs, col_groups, step, MASK_K, TILE_ORDER)
     acc = _dot(tile, activations, acc, INTERPRET)
     return acc, next_scale
@@ -208,7 +224,7 @@ def _mxfp4_gemv(
     block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
-    TILE_ORDER: tl.constexpr = False,
+    TILE_ORDER: tl.constexpr = 0,
 ):  # fmt: skip
     """acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns.
 
@@ -219,7 +235,7 @@ def _mxfp4_gemv(
     every row and column: when that is all of them, the loads carry no masks. UNROLL steps per
     iteration (STEPS a multiple of it): their loads go out together, so that HBM sees each
     row's 64·UNROLL contiguous bytes at once rather than 64 at a time. TILE_ORDER: the
-    activations are stored in tile order (``_activation_tile``)."""
+    activations' order (ORDER_*; ``_activation_tile``), which also orders the weight tile."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
     if PTX:  # the scales are read one step ahead only: have all of them in L2 by then

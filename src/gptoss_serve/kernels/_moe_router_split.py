@@ -8,7 +8,7 @@ prefill router (_moe_routing._router_topk_kernel) runs the whole K = 2880 in one
 1. ``_router_split_kernel``: program (token block, K part) multiplies BLOCK_T tokens by the
    128 experts' router rows over its SPLIT_K columns (tl.dot, fp32 accumulate) into
    ``partial`` [parts, T, E] fp32, and writes those columns of x in thread order (_moe_gemv.py)
-   or tile order (``tiles.tile_order``) for the expert GEMVs.
+   or a tile order (TILE_ORDER: _moe_gemv.ORDER_*) for the expert GEMVs.
 2. ``_router_finish_kernel``: per BLOCK_T tokens, the parts summed in part order (the same
    order every run: deterministic) plus the bias, then top-k and the softmax over the k.
 """
@@ -54,7 +54,8 @@ def _router_split_kernel(
         acc = _dot(x, tl.trans(w), acc, INTERPRET)
         if TILE_ORDER:  # BLOCK_K = 128 from a multiple of 128: one whole step, contiguous
             in_row = ks < 128 * ((H + 127) // 128)  # the last part may reach past the padding
-            tl.store(x_thread_ptr + tokens[:, None] * X_STRIDE + ks[None, :], _tile_order_step(x),
+            tl.store(x_thread_ptr + tokens[:, None] * X_STRIDE + ks[None, :],
+                     _tile_order_step(x, TILE_ORDER),
                      mask=token_mask[:, None] & in_row[None, :])  # fmt: skip
         else:
             tl.store(x_thread_ptr + tokens[:, None] * X_STRIDE + ks[None, :],

@@ -31,6 +31,7 @@ from gptoss_serve.kernels import _moe_decode as decode
 from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_gemv as gemv
 from gptoss_serve.kernels import _moe_router_split as router_split
+from gptoss_serve.kernels import _moe_routing as routing
 from gptoss_serve.kernels.moe import MoeWeights
 
 # Largest T routed to this path by mxfp4_moe_triton: up to here the grouped-columns GEMVs beat
@@ -73,6 +74,9 @@ class DecodeTiles:
     # load per step) rather than thread order (4 contiguous 16-byte runs per thread, permuted
     # in registers)
     tile_order: bool = False
+    # tile_order for wgmma (4+ warps, 16+ pairs a group, where Triton emits wgmma): the same
+    # values in the column order of wgmma's register operand (_moe_gemv.ORDER_WGMMA)
+    wgmma_order: bool = False
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
 
@@ -97,8 +101,17 @@ class DecodeTiles:
             )
         if self.tile_order and not self.group_columns:
             raise ValueError(f"tile_order is a group_columns option, got {self}")
+        if self.wgmma_order and not self.tile_order:
+            raise ValueError(f"wgmma_order is a tile_order option, got {self}")
         if self.group_size not in columns.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {columns.GROUP_SIZES}, got {self}")
+
+    @property
+    def order(self) -> int:
+        """The activations' order, as the kernels' TILE_ORDER (_moe_gemv.ORDER_*)."""
+        if self.wgmma_order:
+            return gemv.ORDER_WGMMA
+        return gemv.ORDER_MMA if self.tile_order else gemv.ORDER_THREAD
 
 
 # The grouped-columns rows' common tiles: 64 rows unsplit for both GEMVs, 2 warps, 4 stages.
@@ -168,13 +181,16 @@ def thread_order(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(t, h // 8, 2, 2, 2).permute(0, 1, 4, 3, 2).reshape(t, h)
 
 
-def tile_order(x: torch.Tensor) -> torch.Tensor:
+def tile_order(x: torch.Tensor, order: int = gemv.ORDER_MMA) -> torch.Tensor:
     """[T, H] -> [T, 128·ceil(H / 128)] in the GEMV tile's column order, zero padded: in each
-    step of 128, element 32t + 8q + 4h + 2m + p goes to column 32q + 16m + 4t + 2p + h."""
+    step of 128, element 32t + 8q + 4h + 2m + p goes to column 32q + 16m + 4t + 2p + h, or
+    with ``order`` ORDER_WGMMA to 32q + 16m + 8p + 2t + h."""
     t, h = x.shape
     width = row_width(h, True)
     padded = torch.nn.functional.pad(x, (0, width - h))
     tiles = padded.reshape(t, width // 128, 4, 4, 2, 2, 2)  # t q h m p
+    if order == gemv.ORDER_WGMMA:
+        return tiles.permute(0, 1, 3, 5, 6, 2, 4).reshape(t, width)  # q m p t h
     return tiles.permute(0, 1, 3, 5, 2, 6, 4).reshape(t, width)  # q m t p h
 
 
@@ -206,7 +222,7 @@ def mxfp4_moe_decode(
         top_k = expert_ids.shape[1]
         ids = expert_ids.to(torch.int32).contiguous()
         gates = routing_weights.to(torch.float32).contiguous()
-        x_thread = tile_order(x) if tiles.tile_order else thread_order(x).contiguous()
+        x_thread = tile_order(x, tiles.order) if tiles.tile_order else thread_order(x).contiguous()
         logits, routed_here = None, True  # given: the GEMVs read it
     else:
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
@@ -226,7 +242,7 @@ def mxfp4_moe_decode(
         if num_tokens > ROUTER_MAX_TOKENS:
             logits = None  # not computed
         if tiles.tile_order and not tile_in_router:  # the decode router writes thread order
-            x_thread = tile_order(x)
+            x_thread = tile_order(x, tiles.order)
     inter_width = row_width(weights.intermediate_size, tiles.tile_order)
     h = _scratch((num_tokens * top_k, inter_width), torch.bfloat16, device, poison)
     if out is None:
@@ -263,9 +279,7 @@ def launch_router(
     if num_tokens > ROUTER_MAX_TOKENS:
         if not route:
             raise ValueError(f"past {ROUTER_MAX_TOKENS} tokens the router must write the routing")
-        _launch_wide_router(
-            x, weights, x_thread, ids, gates, pdl=_pdl(tiles), tile_order=tiles.tile_order
-        )
+        _launch_wide_router(x, weights, x_thread, ids, gates, pdl=_pdl(tiles), order=tiles.order)
         return
     counter = weights.router_counter
     if route and counter is None:
@@ -291,10 +305,12 @@ def _launch_wide_router(
     *,
     pdl: bool = False,
     split_k: int = ROUTER_SPLIT_K,
-    tile_order: bool = False,
+    order: int = gemv.ORDER_THREAD,
 ) -> None:
     """More tokens: the router GEMM split over K (_moe_router_split.py), 2 launches. x goes
-    to ``x_thread`` in thread order, or in tile order (rows 128·ceil(H / 128) long)."""
+    to ``x_thread`` in ``order`` (_moe_gemv.ORDER_*; a tile order: rows 128·ceil(H / 128)
+    long)."""
+    tile_order = order != gemv.ORDER_THREAD
     num_tokens, hidden = x.shape
     top_k, num_experts = ids.shape[1], weights.num_experts
     e_pad, block_t, block_k = max(16, _pow2(num_experts)), 32, min(64, split_k)
@@ -307,7 +323,7 @@ def _launch_wide_router(
     router_split._router_split_kernel[(triton.cdiv(num_tokens, block_t), num_parts)](
         x, weights.router_weight, partial, x_thread, num_tokens, x.stride(0), H=hidden,
         E=num_experts, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_K=split_k,
-        PDL=pdl, INTERPRET=_interpreting(), TILE_ORDER=tile_order, X_STRIDE=x_thread.stride(0),
+        PDL=pdl, INTERPRET=_interpreting(), TILE_ORDER=order, X_STRIDE=x_thread.stride(0),
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     router_split._router_finish_kernel[(triton.cdiv(num_tokens, 16),)](
@@ -402,7 +418,7 @@ def launch_columns(
     g_max = group_expert.shape[0]
     _check_rows("x_thread", x_thread, hidden, tiles.tile_order)
     _check_rows("h", h, inter, tiles.tile_order)
-    order = dict(TILE_ORDER=tiles.tile_order, H_STRIDE=h.stride(0))
+    order = dict(TILE_ORDER=tiles.order, H_STRIDE=h.stride(0))
     rows = tiles.gate_up_rows
     columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
@@ -434,6 +450,9 @@ def group(
     g_max = columns.max_groups(num_pairs, num_experts, cols)
     group_expert = torch.empty(g_max, dtype=torch.int32, device=ids.device)
     group_pairs = torch.empty(g_max, cols, dtype=torch.int32, device=ids.device)
+    if num_pairs > columns.SORT_MAX_PAIRS:
+        _group_by_table(ids, num_experts, group_expert, group_pairs)
+        return group_expert, group_pairs
     pdl = _pdl(tiles)
     columns._group_kernel[(1,)](
         ids, group_expert, group_pairs, num_pairs, G_MAX=g_max, COLS=cols,
@@ -443,7 +462,37 @@ def group(
     return group_expert, group_pairs
 
 
+def _group_by_table(
+    ids: torch.Tensor, num_experts: int, group_expert: torch.Tensor, group_pairs: torch.Tensor
+) -> None:
+    """Many pairs: the prefill grouping's count, block table and scatter (_moe_routing.py,
+    blocks of group_size pairs), then the table as groups. Four launches and a memset."""
+    num_pairs = ids.numel()
+    g_max, cols = group_pairs.shape
+    device = ids.device
+    e_pad = max(16, _pow2(num_experts))
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    block_table = torch.empty(3, g_max, dtype=torch.int32, device=device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
+    grid = (triton.cdiv(num_pairs, _PAIRS_BLOCK),)
+    routing._count_kernel[grid](ids, counts, num_pairs, E_PAD=e_pad, BLOCK=_PAIRS_BLOCK)
+    routing._block_table_kernel[(1,)](
+        counts, cursor, block_table, num_blocks, num_experts, g_max, E_PAD=e_pad,
+        BLOCK_M=cols, CHUNK_B=_TABLE_CHUNK,
+    )  # fmt: skip
+    routing._scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, BLOCK=_PAIRS_BLOCK)
+    columns._table_groups_kernel[(triton.cdiv(g_max, _TABLE_GROUPS),)](
+        sorted_pairs, block_table, num_blocks, group_expert, group_pairs, G_MAX=g_max,
+        COLS=cols, BLOCK_G=_TABLE_GROUPS,
+    )  # fmt: skip
+
+
 _SUM_BLOCK = 1024
+_PAIRS_BLOCK = 1024  # pairs per program of the count and scatter kernels
+_TABLE_CHUNK = 64  # row blocks per step of the block-table kernel
+_TABLE_GROUPS = 16  # groups per program of _table_groups_kernel
 _GROUP_FILL = 4096  # table entries cleared per step
 
 
