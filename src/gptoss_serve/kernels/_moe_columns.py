@@ -173,6 +173,21 @@ def _tile_order_step(x, ORDER: tl.constexpr):
 
 
 @triton.jit
+def _zero_padding(h_ptr, pairs, valid, UNITS: tl.constexpr, ORDER: tl.constexpr,
+                  H_STRIDE: tl.constexpr):  # fmt: skip
+    """Zeros at the tile-order positions of units [UNITS, 128·ceil(UNITS / 128)) of the
+    ``pairs``' h rows (H_STRIDE apart): the down GEMV reads whole steps without masks."""
+    PAD: tl.constexpr = 128 * ((UNITS + 127) // 128) - UNITS
+    if PAD > 0:
+        PAD_POW2: tl.constexpr = triton.next_power_of_2(PAD)
+        units = UNITS + tl.arange(0, PAD_POW2)
+        ptrs = h_ptr + pairs.to(tl.int64)[None, :] * H_STRIDE
+        ptrs = ptrs + _tile_position(units, ORDER)[:, None]
+        zeros = tl.zeros([PAD_POW2, pairs.shape[0]], h_ptr.dtype.element_ty)
+        tl.store(ptrs, zeros, mask=(units < UNITS + PAD)[:, None] & valid[None, :])
+
+
+@triton.jit
 def _columns_gate_up_kernel(
     x_thread_ptr, group_expert_ptr, group_pairs_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr,
     alpha, limit,
@@ -212,6 +227,8 @@ def _columns_gate_up_kernel(
     h = _to_bf16(gate * tl.sigmoid(alpha * gate) * (up + 1.0), INTERPRET)  # [BN/2, COLS]
     units = n0 // 2 + tl.arange(0, BN // 2)  # units j, stored at their down-GEMV position
     if TILE_ORDER:
+        if tl.program_id(0) == 0:  # the rows' padding to whole steps: zeros, read unmasked
+            _zero_padding(h_ptr, pairs, valid, N // 2, TILE_ORDER, H_STRIDE)
         position = _tile_position(units, TILE_ORDER)
     else:
         position = (units & ~7) | ((units & 1) << 2) | (units & 2) | ((units >> 2) & 1)

@@ -214,7 +214,11 @@ def _gemv_step(
     next_mask = 4 * step + 4 + t < row_groups
     next_scale = _load_scale(scale_rows + 4 * step + 4, next_mask, PTX)
     tile = _weight_tile(words, scale, BN, PTX, TILE_ORDER)
-    activations = _activation_tile(col_ptrs, col_groups, step, MASK_K, TILE_ORDER)
+    # Tile-order rows are zero past K (whole steps), and unused columns point at a real row:
+    # with the weights masked to 0 there, their loads need no mask (a masked activation load
+    # is vectorized only as far as its mask is constant: 4 bytes in wgmma order).
+    activations = _activation_tile(col_ptrs, col_groups, step, MASK_K and not TILE_ORDER,
+                                   TILE_ORDER)  # fmt: skip
     acc = _dot(tile, activations, acc, INTERPRET)
     return acc, next_scale
 
@@ -235,7 +239,10 @@ def _mxfp4_gemv(
     every row and column: when that is all of them, the loads carry no masks. UNROLL steps per
     iteration (STEPS a multiple of it): their loads go out together, so that HBM sees each
     row's 64·UNROLL contiguous bytes at once rather than 64 at a time. TILE_ORDER: the
-    activations' order (ORDER_*; ``_activation_tile``), which also orders the weight tile."""
+    activations' order (ORDER_*; ``_activation_tile``), which also orders the weight tile; in
+    a tile order every column pointer must point at a row whose padding past K is zeros
+    (finite values only: the masked weights there decode to 0), as the router and gate_up
+    write them, and ``col_groups`` is not read."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
     if PTX:  # the scales are read one step ahead only: have all of them in L2 by then
