@@ -361,30 +361,20 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
         assert ".local" not in ptx
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-def test_grouped_columns_kernels_compile_for_sm90() -> None:
-    """The expert-grouped path at 120b shapes and its table's tiles (8 and 16 columns):
-    cp.async into mma.sync, no local memory; the grouping kernel for 64, 256 and 1024 tokens.
-    Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so does the K-split
-    router. (With 4 warps and
-    128 rows Triton turns 16 columns into a wgmma.)"""
+def columns_ptx(tiles) -> list[str]:
+    """PTX of the grouped columns' gate_up and down as launched at 120b shapes."""
     from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
-    from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
 
     steps = {k: v for k, v in split_plan(2880, 1).items() if k in ("STEPS", "FULL_STEPS")}
     pointers = {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16"}
     pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8", "routing_weights_ptr": "*fp32"}
     pointers |= {"y_ptr": "*fp32"}
-    for num_tokens, group_size in [(64, None), (256, None), (1024, None), (64, 16)]:
-        tiles = decode_tiles_for(num_tokens)
-        assert tiles.group_columns
-        if group_size:
-            tiles = dataclasses.replace(tiles, group_size=group_size)
-        common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
-        stride = 2944 if tiles.tile_order else 2880  # tile order: rows of 23 steps of 128
-        common |= dict(TILE_ORDER=tiles.order, H_STRIDE=stride) | steps
+    common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
+    stride = 2944 if tiles.tile_order else 2880  # tile order: rows of 23 steps of 128
+    common |= dict(TILE_ORDER=tiles.order, H_STRIDE=stride) | steps
+    return [
+        compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
         for kernel, constexprs, warps, stages in [
             (_moe_columns._columns_gate_up_kernel,
              dict(H=2880, N=5760, BN=tiles.gate_up_rows, NUM_STAGES=tiles.gate_up_stages)
@@ -393,9 +383,27 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
             (_moe_columns._columns_down_kernel,
              dict(N=2880, K=2880, BN=tiles.down_rows, NUM_STAGES=tiles.down_stages) | common,
              tiles.down_warps, tiles.down_stages),
-        ]:  # fmt: skip
-            options = dict(num_warps=warps, num_stages=stages)
-            ptx = compile_sm90(kernel, constexprs, pointers, options)
+        ]
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_grouped_columns_kernels_compile_for_sm90() -> None:
+    """The expert-grouped path at 120b shapes and its table's mma.sync tiles (8, 16 and 32
+    columns): cp.async into mma.sync, no local memory; the grouping kernel for 64, 256 and
+    1024 tokens. Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so
+    does the K-split router."""
+    from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
+
+    for num_tokens, group_size in [(64, None), (256, None), (1024, None), (64, 16)]:
+        tiles = decode_tiles_for(num_tokens)
+        assert tiles.group_columns and not tiles.wgmma_order
+        if group_size:
+            tiles = dataclasses.replace(tiles, group_size=group_size)
+        for ptx in columns_ptx(tiles):
             assert "cp.async" in ptx and "mma.sync" in ptx and "mul.rn.bf16x2" in ptx
             assert ".local" not in ptx
         num_pairs = 4 * num_tokens
@@ -417,3 +425,20 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
         ptx = compile_sm90(kernel, constexprs, {"x_ptr": "*bf16", "weight_ptr": "*bf16"},
                            dict(num_warps=4))  # fmt: skip
         assert ".local" not in ptx and "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("num_tokens", [512, 2048])
+def test_wgmma_columns_compile_for_sm90(num_tokens: int) -> None:
+    """The table's wgmma rows: the decoded weights go into wgmma as its register operand with
+    no lane shuffle (the wgmma tile order; in mma.sync's order this tile needs 32 shfl per
+    thread and step), the activations by cp.async; no local memory."""
+    from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
+
+    tiles = decode_tiles_for(num_tokens)
+    assert tiles.wgmma_order
+    for ptx in columns_ptx(tiles):
+        assert "wgmma.mma_async" in ptx and "cp.async" in ptx and "mul.rn.bf16x2" in ptx
+        assert "shfl" not in ptx and ".local" not in ptx

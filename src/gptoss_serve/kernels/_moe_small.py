@@ -1,4 +1,5 @@
-"""Host side of the decode-path MXFP4 MoE (T ≤ DECODE_MAX_TOKENS): tiles, buffers, launches.
+"""Host side of the GEMV-shaped MXFP4 MoE, the "decode path" (T ≤ DECODE_MAX_TOKENS, which now
+reaches prefill chunks too): tiles, buffers, launches.
 
 Up to 16 tokens (per-pair GEMVs, 3 launches):
 
@@ -12,8 +13,10 @@ router's ticket, and the routing does not depend on which program draws the last
 (token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
 reads those rows more than once from L2 (not from HBM: the programs of one row tile run
 together, pairs fastest). From 17 tokens the pairs are grouped by expert (_moe_columns.py,
-``launch_columns``, after the K-split router: 6 launches); past DECODE_MAX_TOKENS the grouped
-GEMMs of _moe_triton.py take over.
+``launch_columns``, after the K-split router: 6 launches; past 4096 pairs the grouping is
+the prefill one's count / block table / scatter, whose atomics may deal an expert's pairs to
+its groups in another order, which changes no value: each pair is its own MMA column); past
+DECODE_MAX_TOKENS the grouped GEMMs of _moe_triton.py take over.
 See _moe_gemv.py for the tile layout and the decode, _moe_decode.py for the kernels.
 """
 
@@ -34,9 +37,10 @@ from gptoss_serve.kernels import _moe_router_split as router_split
 from gptoss_serve.kernels import _moe_routing as routing
 from gptoss_serve.kernels.moe import MoeWeights
 
-# Largest T routed to this path by mxfp4_moe_triton: up to here the grouped-columns GEMVs beat
-# the grouped GEMMs (bench/moe_profile.py prints both paths per T to move the switch).
-DECODE_MAX_TOKENS = 1024
+# Largest T routed to this path by mxfp4_moe_triton: up to here (as far as measured) the
+# grouped columns beat the grouped GEMMs (bench/moe_prefill_columns.py; moe_profile.py prints
+# both paths per T).
+DECODE_MAX_TOKENS = 8192
 # Largest T of _router_kernel (every program holds all T tokens' activations: 13.6 / 30 /
 # 48.8 us at 16 / 32 / 64 tokens on the H200); above it the router GEMM split over K
 # (_moe_router_split.py) writes the routing and x in thread or tile order.
@@ -148,13 +152,24 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # at 1024.
     (128, dataclasses.replace(_COLUMNS, down_warps=4)),
     (384, dataclasses.replace(_COLUMNS, group_size=16, tile_order=True)),
-    (
-        DECODE_MAX_TOKENS,
-        dataclasses.replace(
-            _COLUMNS, group_size=32, tile_order=True, gate_up_stages=3, down_stages=3
-        ),
-    ),
-)
+    # Past 384 tokens, wgmma: 128-row tiles of 8 or 4 warps in the wgmma tile order
+    # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are).
+    # moe_prefill_columns.py, us per layer, against the mma.sync rows (groups of 32, 64-row
+    # tiles, 2 warps, tile order) and the grouped GEMMs: 512 tokens 1,119 (groups of 32, 8
+    # warps) / 1,273 / 1,812; 1024 tokens 1,464 (the mma.sync row) / 1,542 (wgmma); 2048 tokens
+    # 2,167 (groups of 64, 4 warps) / 2,395 / 2,751; 8192 tokens 5,612 / 7,948 / 7,896.
+    (512, dataclasses.replace(
+        _COLUMNS, group_size=32, gate_up_rows=128, down_rows=128, gate_up_warps=8,
+        down_warps=8, gate_up_stages=3, down_stages=3, tile_order=True, wgmma_order=True,
+    )),
+    (1024, dataclasses.replace(
+        _COLUMNS, group_size=32, tile_order=True, gate_up_stages=3, down_stages=3
+    )),
+    (DECODE_MAX_TOKENS, dataclasses.replace(
+        _COLUMNS, group_size=64, gate_up_rows=128, down_rows=128, gate_up_warps=4,
+        down_warps=4, gate_up_stages=3, down_stages=3, tile_order=True, wgmma_order=True,
+    )),
+)  # fmt: skip
 
 
 def routes_in_router(tiles: DecodeTiles) -> bool:
