@@ -106,20 +106,26 @@ def _decode_variants() -> list:
 
 @interpreter
 @pytest.mark.parametrize(
-    ("num_tokens", "group_size", "order"),
-    [(1, 8, 0), (20, 8, 0), (80, 16, 0), (1, 8, 1), (20, 8, 1), (80, 32, 1), (20, 16, 2),
-     (80, 64, 2)],
+    ("num_tokens", "group_size", "order", "scale_words"),
+    [(1, 8, 0, False), (20, 8, 0, False), (80, 16, 0, False), (1, 8, 1, False),
+     (20, 8, 1, False), (80, 32, 1, False), (20, 16, 2, False), (80, 64, 2, True),
+     (20, 8, 0, True)],
 )  # fmt: skip
-def test_interpreter_grouped_columns(num_tokens: int, group_size: int, order: int) -> None:
+def test_interpreter_grouped_columns(
+    num_tokens: int, group_size: int, order: int, scale_words: bool
+) -> None:
     """Pairs grouped by expert: 20 tokens over 8 experts put ~10 pairs on an expert, so an
     expert takes two groups of 8 columns; 80 tokens (320 pairs) are routed by the K-split
     router, ~40 pairs an expert in groups of 16 to 64; activations in thread order (0) or a
-    tile order (1: mma.sync's, 2: wgmma's). Poisoned scratch, the kernels' own routing."""
+    tile order (1: mma.sync's, 2: wgmma's); the scales one step ahead or as aligned words
+    (H = 160: rows of 5 scale bytes, so most rows' scales start mid-word). Poisoned scratch,
+    the kernels' own routing."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
 
     tiles = _moe_small.DecodeTiles(
         group_columns=True, group_size=group_size, gate_up_rows=32, gate_up_split=1,
         down_rows=16, down_split=1, tile_order=order > 0, wgmma_order=order == 2,
+        scale_words=scale_words,
     )  # fmt: skip
     check_decode_routing(random_x(num_tokens, 160, seed=41), random_weights(8, 160, 96, seed=40),
                          tiles)  # fmt: skip
@@ -193,7 +199,7 @@ def test_interpreter_grouped_columns_by_table(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(_moe_columns, "SORT_MAX_PAIRS", 64)
     tiles = _moe_small.DecodeTiles(
         group_columns=True, group_size=32, gate_up_rows=32, gate_up_split=1, down_rows=16,
-        down_split=1, tile_order=True, wgmma_order=True,
+        down_split=1, tile_order=True, wgmma_order=True, scale_words=True,
     )  # fmt: skip
     check_decode_routing(random_x(200, 160, seed=43), random_weights(8, 160, 96, seed=42),
                          tiles)  # fmt: skip
@@ -286,6 +292,38 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("num_tokens", "shape", "scale_words"),
+    [(600, (32, 128, 8, 3), True), (600, (32, 128, 8, 3), False), (2048, (64, 128, 4, 3), True),
+     (2048, (64, 128, 4, 3), False), (3000, (128, 128, 8, 2), True), (2048, (64, 128, 8, 3), True),
+     (2048, (64, 64, 4, 3), False)],
+)  # fmt: skip
+def test_gpu_wgmma_columns_match_reference(
+    gpu_weights: MoeWeights, num_tokens: int, shape: tuple, scale_words: bool
+) -> None:
+    """The grouped columns on wgmma tiles (group size, rows, warps, stages), in the wgmma tile
+    order, the scales one step ahead or as words, with the fp32 routing given, into poisoned
+    scratch: past 4096 pairs the groups come from the block table."""
+    from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_triton import moe_experts_triton  # noqa: PLC0415
+
+    cols, rows, warps, stages = shape
+    tiles = dataclasses.replace(
+        _moe_small.decode_tiles_for(2048), group_size=cols, gate_up_rows=rows, down_rows=rows,
+        gate_up_warps=warps, down_warps=warps, gate_up_stages=stages, down_stages=stages,
+        scale_words=scale_words,
+    )  # fmt: skip
+    x = random_x(num_tokens, 2880, device="cuda", seed=fresh_seed())
+    expert_ids, routing_weights = reference_routing(x, gpu_weights)
+    out = poisoned(tuple(x.shape), torch.bfloat16, "cuda")
+    actual = moe_experts_triton(
+        x, gpu_weights, expert_ids, routing_weights, out=out, poison=True, decode_tiles=tiles
+    )
+    expected = mxfp4_moe_experts_reference(x, gpu_weights, expert_ids, routing_weights)
+    assert_close(actual, expected, max_rel=MAX_REL, rms_rel=RMS_REL)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("num_tokens", "order"), [(17, 0), (64, 0), (300, 1), (2000, 2)])
 def test_gpu_split_router(gpu_weights: MoeWeights, num_tokens: int, order: int) -> None:
     x = random_x(num_tokens, 2880, device="cuda", seed=fresh_seed())
@@ -372,7 +410,8 @@ def columns_ptx(tiles) -> list[str]:
     pointers |= {"y_ptr": "*fp32"}
     common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
     stride = 2944 if tiles.tile_order else 2880  # tile order: rows of 23 steps of 128
-    common |= dict(TILE_ORDER=tiles.order, H_STRIDE=stride) | steps
+    common |= dict(TILE_ORDER=tiles.order, H_STRIDE=stride, SCALE_WORDS=tiles.scale_words)
+    common |= steps
     return [
         compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
         for kernel, constexprs, warps, stages in [
@@ -391,14 +430,14 @@ def columns_ptx(tiles) -> list[str]:
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_grouped_columns_kernels_compile_for_sm90() -> None:
-    """The expert-grouped path at 120b shapes and its table's mma.sync tiles (8, 16 and 32
+    """The expert-grouped path at 120b shapes and its table's mma.sync tiles (8 and 16
     columns): cp.async into mma.sync, no local memory; the grouping kernel for 64, 256 and
-    1024 tokens. Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so
+    384 tokens. Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so
     does the K-split router."""
     from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
 
-    for num_tokens, group_size in [(64, None), (256, None), (1024, None), (64, 16)]:
+    for num_tokens, group_size in [(64, None), (256, None), (384, None), (64, 16)]:
         tiles = decode_tiles_for(num_tokens)
         assert tiles.group_columns and not tiles.wgmma_order
         if group_size:

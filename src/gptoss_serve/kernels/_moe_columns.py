@@ -32,7 +32,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._moe_common import _to_bf16
-from gptoss_serve.kernels._moe_gemv import _WGMMA, ACC_SCALE, _mxfp4_gemv, _tile_slots
+from gptoss_serve.kernels._moe_gemv import (
+    _WGMMA,
+    ACC_SCALE,
+    _mxfp4_gemv,
+    _scale_words,
+    _tile_slots,
+)
 
 GROUP_SIZES = (8, 16, 32, 64, 128, 256)  # pairs per group: one n8 MMA's columns, or more
 # Past this many pairs the one-program sort gives way to the prefill grouping's count, block
@@ -137,17 +143,23 @@ def _group_columns(group_expert_ptr, group_pairs_ptr, group, TOP_K: tl.constexpr
 
 @triton.jit
 def _expert_rows(blocks_ptr, scales_ptr, expert, n0, N: tl.constexpr, K: tl.constexpr,
-                 BN: tl.constexpr):  # fmt: skip
+                 BN: tl.constexpr, SCALE_WORDS: tl.constexpr = False):  # fmt: skip
     """The GEMV slots of rows [n0, n0 + BN) of ``expert``'s [N, K] MXFP4 matrix, unsplit:
-    (block pointers, scale pointers, valid groups per slot, group lane t)."""
+    (block pointers, scale pointers, valid groups per slot, group lane t, scale shifts).
+    SCALE_WORDS: the scale pointers point at aligned words and the shifts pick the byte
+    (_moe_gemv._scale_words); else the shifts are unused (t)."""
     G: tl.constexpr = K // 32
     rows, t = _tile_slots(BN)
     row = n0 + rows
     row_groups = tl.where(row < N, G, 0)
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
     block_rows = blocks_ptr + expert * (N * K // 2) + row * (K // 2) + 16 * t
-    scale_rows = scales_ptr + expert * (N * G) + row * G + t
-    return block_rows, scale_rows, row_groups, t
+    scale_offsets = expert * (N * G) + row * G + t
+    if SCALE_WORDS:
+        scale_rows, shifts = _scale_words(scales_ptr, scale_offsets)
+    else:
+        scale_rows, shifts = scales_ptr + scale_offsets, t
+    return block_rows, scale_rows, row_groups, t, shifts
 
 
 @triton.jit
@@ -195,7 +207,7 @@ def _columns_gate_up_kernel(
     COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
-    X_STRIDE: tl.constexpr, H_STRIDE: tl.constexpr,
+    X_STRIDE: tl.constexpr, H_STRIDE: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
 ):  # fmt: skip
     """h[pair, units of rows n0 .. n0 + BN) for the group's pairs (rows interleaved gate/up).
     x rows (X_STRIDE apart) and the h rows written (H_STRIDE apart) are in the order
@@ -209,12 +221,13 @@ def _columns_gate_up_kernel(
     )
     if expert < 0:
         return
-    block_rows, scale_rows, row_groups, t = _expert_rows(
-        blocks_ptr, scales_ptr, expert, n0, N, H, BN
+    block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
+        blocks_ptr, scales_ptr, expert, n0, N, H, BN, SCALE_WORDS
     )
     acc = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
         tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER,
+        SCALE_WORDS, shifts,
     )  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -244,7 +257,7 @@ def _columns_down_kernel(
     COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
-    H_STRIDE: tl.constexpr,
+    H_STRIDE: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
 ):  # fmt: skip
     """y[pair, n0 : n0 + BN] fp32 = w_pair · (h_pair @ Wd[expert][rows]^T + bd[rows]); h rows
     H_STRIDE apart, in tile order with TILE_ORDER, else in thread order."""
@@ -257,13 +270,13 @@ def _columns_down_kernel(
     )
     if expert < 0:
         return
-    block_rows, scale_rows, row_groups, t = _expert_rows(
-        blocks_ptr, scales_ptr, expert, n0, N, K, BN
+    block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
+        blocks_ptr, scales_ptr, expert, n0, N, K, BN, SCALE_WORDS
     )
     col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * H_STRIDE
     acc = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
-        BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER,
+        BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
     )  # fmt: skip
     if PDL:
         gdc_launch_dependents()

@@ -169,6 +169,16 @@ def _activation_tile(col_ptrs, col_groups, step, MASK_K: tl.constexpr,
 
 
 @triton.jit
+def _scale_words(scales_ptr, offsets):
+    """The E8M0 bytes at ``offsets`` of ``scales_ptr`` (16-byte aligned) as (pointers to their
+    aligned 32-bit words, bit shift of the byte in it): one slot's scales 4 bytes apart are
+    then consecutive words with the same shift."""
+    return scales_ptr.to(tl.pointer_type(tl.int32)) + (offsets >> 2), ((offsets & 3) * 8).to(
+        tl.int32
+    )
+
+
+@triton.jit
 def _load_scale(ptrs, mask, PTX: tl.constexpr):
     """E8M0 bytes [4·BN] -> int32 (0 where masked). On the GPU one ld.global.nc.u8 per slot
     through inline PTX: a tl.load would be vectorized by 2 (90-byte rows) into a layout that
@@ -202,17 +212,28 @@ def _prefetch_line(ptrs, mask):
 def _gemv_step(
     acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
-    TILE_ORDER: tl.constexpr = 0,
+    TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
 ):  # fmt: skip
-    """One 128-column step; returns (acc, the next step's scales)."""
+    """One 128-column step; returns (acc, the next step's scales). SCALE_WORDS:
+    ``scale_rows`` are the scales' aligned 32-bit words and ``scale_shift`` the byte's bit
+    offset in them (``_scale_words``), and this step's scale is read here, by a plain load
+    the loop's pipeline issues stages ahead."""
     word_ptrs = (block_rows + step * (BLOCK_K // 2)).to(tl.pointer_type(tl.int32))
     word_ptrs = word_ptrs[:, None] + tl.arange(0, 4)[None, :]
     if MASK_K:
         words = tl.load(word_ptrs, mask=(4 * step + t < row_groups)[:, None], other=0)
     else:
         words = tl.load(word_ptrs)
-    next_mask = 4 * step + 4 + t < row_groups
-    next_scale = _load_scale(scale_rows + 4 * step + 4, next_mask, PTX)
+    if SCALE_WORDS:  # byte 4·step + t of the row lies in word `step` from here
+        if MASK_K:
+            word = tl.load(scale_rows + step, mask=4 * step + t < row_groups, other=0)
+        else:
+            word = tl.load(scale_rows + step)
+        next_scale = scale  # unused
+        scale = (word >> scale_shift) & 0xFF
+    else:
+        next_mask = 4 * step + 4 + t < row_groups
+        next_scale = _load_scale(scale_rows + 4 * step + 4, next_mask, PTX)
     tile = _weight_tile(words, scale, BN, PTX, TILE_ORDER)
     # Tile-order rows are zero past K (whole steps), and unused columns point at a real row:
     # with the weights masked to 0 there, their loads need no mask (a masked activation load
@@ -228,7 +249,7 @@ def _mxfp4_gemv(
     block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
-    TILE_ORDER: tl.constexpr = 0,
+    TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
 ):  # fmt: skip
     """acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns.
 
@@ -242,20 +263,27 @@ def _mxfp4_gemv(
     activations' order (ORDER_*; ``_activation_tile``), which also orders the weight tile; in
     a tile order every column pointer must point at a row whose padding past K is zeros
     (finite values only: the masked weights there decode to 0), as the router and gate_up
-    write them, and ``col_groups`` is not read."""
+    write them, and ``col_groups`` is not read. SCALE_WORDS: see ``_gemv_step``; the
+    default reads each step's scales one step ahead by ld.global.nc, which is right for the
+    bandwidth-bound decode (v4b), while wgmma's compute-bound tiles lose ~20% waiting on
+    it behind their cp.async stream (bench/RESULTS.md v7b)."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
-    if PTX:  # the scales are read one step ahead only: have all of them in L2 by then
-        last = tl.minimum(row_groups, 4 * STEPS) - 1 - t  # this part's last scale, from here
-        _prefetch_line(scale_rows + tl.maximum(last, 0), last > 0)
-    scale = _load_scale(scale_rows, t < row_groups, PTX)
+    if SCALE_WORDS:
+        scale = tl.zeros_like(row_groups)  # each step reads its own
+    else:
+        if PTX:  # the scales are read one step ahead only: have all of them in L2 by then
+            last = tl.minimum(row_groups, 4 * STEPS) - 1 - t  # this part's last scale, from here
+            _prefetch_line(scale_rows + tl.maximum(last, 0), last > 0)
+        scale = _load_scale(scale_rows, t < row_groups, PTX)
     # One pipelined loop, masked when some step is partial (K = 2880 is 22.5 steps): a partial
     # step peeled off the loop would wait for its loads from HBM with nothing in flight.
     for step0 in tl.range(0, STEPS, UNROLL, num_stages=NUM_STAGES):
         for j in tl.static_range(UNROLL):
             acc, scale = _gemv_step(
                 acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
-                col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER,
+                col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS,
+                scale_shift,
             )  # fmt: skip
     return acc
 

@@ -81,6 +81,9 @@ class DecodeTiles:
     # tile_order for wgmma (4+ warps, 16+ pairs a group, where Triton emits wgmma): the same
     # values in the column order of wgmma's register operand (_moe_gemv.ORDER_WGMMA)
     wgmma_order: bool = False
+    # group_columns: each step's scales as aligned 32-bit words through the loop's cp.async
+    # pipeline, not one step ahead by ld.global.nc (_moe_gemv._mxfp4_gemv)
+    scale_words: bool = False
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
 
@@ -107,6 +110,8 @@ class DecodeTiles:
             raise ValueError(f"tile_order is a group_columns option, got {self}")
         if self.wgmma_order and not self.tile_order:
             raise ValueError(f"wgmma_order is a tile_order option, got {self}")
+        if self.scale_words and not self.group_columns:
+            raise ValueError(f"scale_words is a group_columns option, got {self}")
         if self.group_size not in columns.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {columns.GROUP_SIZES}, got {self}")
 
@@ -152,22 +157,22 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # at 1024.
     (128, dataclasses.replace(_COLUMNS, down_warps=4)),
     (384, dataclasses.replace(_COLUMNS, group_size=16, tile_order=True)),
-    # Past 384 tokens, wgmma: 128-row tiles of 8 or 4 warps in the wgmma tile order
-    # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are).
-    # moe_prefill_columns.py, us per layer, against the mma.sync rows (groups of 32, 64-row
-    # tiles, 2 warps, tile order) and the grouped GEMMs: 512 tokens 1,119 (groups of 32, 8
-    # warps) / 1,273 / 1,812; 1024 tokens 1,464 (the mma.sync row) / 1,542 (wgmma); 2048 tokens
-    # 2,167 (groups of 64, 4 warps) / 2,395 / 2,751; 8192 tokens 5,612 / 7,948 / 7,896.
-    (512, dataclasses.replace(
-        _COLUMNS, group_size=32, gate_up_rows=128, down_rows=128, gate_up_warps=8,
-        down_warps=8, gate_up_stages=3, down_stages=3, tile_order=True, wgmma_order=True,
-    )),
+    # Past 384 tokens, wgmma: 128-row tiles of 4 warps in the wgmma tile order
+    # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are),
+    # each step's scales through the cp.async pipeline (scale_words). H200, one layer, us
+    # (bench/RESULTS.md v7, v7b): 512 / 768 / 1024 tokens, groups of 32: 840 / 940 / 1,157
+    # (the mma.sync row before, groups of 32 on 64-row tiles of 2 warps: 1,273 at 512, 1,464
+    # at 1024); 2048 / 8192 tokens, groups of 64: 1,703 / 4,946 (the grouped GEMMs 2,751 /
+    # 7,896). Groups of 128 or 8-warp tiles lose at every size measured.
     (1024, dataclasses.replace(
-        _COLUMNS, group_size=32, tile_order=True, gate_up_stages=3, down_stages=3
+        _COLUMNS, group_size=32, gate_up_rows=128, down_rows=128, gate_up_warps=4,
+        down_warps=4, gate_up_stages=3, down_stages=3, tile_order=True, wgmma_order=True,
+        scale_words=True,
     )),
     (DECODE_MAX_TOKENS, dataclasses.replace(
         _COLUMNS, group_size=64, gate_up_rows=128, down_rows=128, gate_up_warps=4,
         down_warps=4, gate_up_stages=3, down_stages=3, tile_order=True, wgmma_order=True,
+        scale_words=True,
     )),
 )  # fmt: skip
 
@@ -433,7 +438,7 @@ def launch_columns(
     g_max = group_expert.shape[0]
     _check_rows("x_thread", x_thread, hidden, tiles.tile_order)
     _check_rows("h", h, inter, tiles.tile_order)
-    order = dict(TILE_ORDER=tiles.order, H_STRIDE=h.stride(0))
+    order = dict(TILE_ORDER=tiles.order, H_STRIDE=h.stride(0), SCALE_WORDS=tiles.scale_words)
     rows = tiles.gate_up_rows
     columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
