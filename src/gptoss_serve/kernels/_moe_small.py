@@ -112,6 +112,13 @@ class DecodeTiles:
             raise ValueError(f"wgmma_order is a tile_order option, got {self}")
         if self.scale_words and not self.group_columns:
             raise ValueError(f"scale_words is a group_columns option, got {self}")
+        # Groups of 64 on 16 rows a warp (64 rows of 4 warps, 128 of 8) gave wrong results now
+        # and then on the H200 (Triton 3.6; bench/RESULTS.md v7b), where 32 rows a warp and
+        # other group sizes passed every run: refused until understood.
+        for rows, warps in ((self.gate_up_rows, self.gate_up_warps),
+                            (self.down_rows, self.down_warps)):  # fmt: skip
+            if self.wgmma_order and self.group_size == 64 and rows // warps < 32:
+                raise ValueError(f"wgmma tiles with groups of 64 need 32+ rows a warp, got {self}")
         if self.group_size not in columns.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {columns.GROUP_SIZES}, got {self}")
 
