@@ -442,13 +442,13 @@ def columns_ptx(tiles) -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_grouped_columns_kernels_compile_for_sm90() -> None:
     """The expert-grouped path at 120b shapes and its table's mma.sync tiles (8 and 16
-    columns): cp.async into mma.sync, no local memory; the grouping kernel for 64, 256 and
-    384 tokens. Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so
+    columns): cp.async into mma.sync, no local memory; the grouping kernel for 64 and 128
+    tokens. Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so
     does the K-split router."""
     from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
 
-    for num_tokens, group_size in [(64, None), (256, None), (384, None), (64, 16)]:
+    for num_tokens, group_size in [(64, None), (128, None), (64, 16)]:
         tiles = decode_tiles_for(num_tokens)
         assert tiles.group_columns and not tiles.wgmma_order
         if group_size:
@@ -480,7 +480,7 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-@pytest.mark.parametrize("num_tokens", [512, 2048])
+@pytest.mark.parametrize("num_tokens", [256, 512, 2048])
 def test_wgmma_columns_compile_for_sm90(num_tokens: int) -> None:
     """The table's wgmma rows: the decoded weights go into wgmma as its register operand with
     no lane shuffle (the wgmma tile order; in mma.sync's order this tile needs 32 shfl per

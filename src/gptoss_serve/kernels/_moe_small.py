@@ -163,14 +163,19 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # against 1,557 / 1,623 / 1,842 us; at 2048 they tie (2,734 / 2,762), so the switch sits
     # at 1024.
     (128, dataclasses.replace(_COLUMNS, down_warps=4)),
-    (384, dataclasses.replace(_COLUMNS, group_size=16, tile_order=True)),
-    # Past 384 tokens, wgmma: 128-row tiles of 4 warps in the wgmma tile order
+    # Past 128 tokens, wgmma: 128-row tiles of 4 warps in the wgmma tile order
     # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are),
     # each step's scales through the cp.async pipeline (scale_words). H200, one layer, us
-    # (bench/RESULTS.md v7, v7b): 512 / 768 / 1024 tokens, groups of 32: 840 / 940 / 1,157
-    # (the mma.sync row before, groups of 32 on 64-row tiles of 2 warps: 1,273 at 512, 1,464
-    # at 1024); 2048 / 8192 tokens, groups of 64: 1,703 / 4,946 (the grouped GEMMs 2,751 /
+    # (bench/RESULTS.md v7, v7b): 192 / 256 / 320 / 384 tokens, groups of 16, 4 stages: 686
+    # / 696 / 721 / ~775 (the mma.sync row before, groups of 16 on 64-row tiles of 2 warps:
+    # 929 / 846 / 870 / ~970); 512 / 768 / 1024 tokens, groups of 32: 840 / 940 / 1,157 (the
+    # mma.sync row before, groups of 32 on 64-row tiles of 2 warps: 1,273 at 512, 1,464 at
+    # 1024); 2048 / 8192 tokens, groups of 64: 1,703 / 4,946 (the grouped GEMMs 2,751 /
     # 7,896). Groups of 128 or 8-warp tiles lose at every size measured.
+    (384, dataclasses.replace(
+        _COLUMNS, group_size=16, gate_up_rows=128, down_rows=128, gate_up_warps=4,
+        down_warps=4, tile_order=True, wgmma_order=True, scale_words=True,
+    )),
     (1024, dataclasses.replace(
         _COLUMNS, group_size=32, gate_up_rows=128, down_rows=128, gate_up_warps=4,
         down_warps=4, gate_up_stages=3, down_stages=3, tile_order=True, wgmma_order=True,
