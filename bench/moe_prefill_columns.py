@@ -26,12 +26,17 @@ from kernels import graph_time_ms
 logger = logging.getLogger(__name__)
 CALLS = 4
 # (group_size, gate_up rows, down rows, warps, stages, activation order: 0 thread, 1 tile
-# order for mma.sync, 2 tile order for wgmma). --all adds the older thread / mma.sync ones.
+# order for mma.sync, 2 tile order for wgmma[, scale words: default with order 2]). --all
+# adds the older thread / mma.sync ones; --small the 17-128-token rows and their variants.
 VARIANTS = [
     (32, 64, 64, 2, 3, 1), (32, 128, 128, 8, 3, 2), (32, 128, 128, 4, 3, 2),
     (64, 128, 128, 4, 3, 2), (64, 128, 128, 4, 4, 2), (128, 128, 128, 8, 2, 2),
     (16, 128, 128, 4, 3, 2), (128, 256, 256, 8, 2, 2), (32, 64, 64, 4, 3, 2),
     (16, 64, 64, 2, 4, 1), (8, 128, 128, 4, 3, 2), (16, 128, 128, 4, 4, 2),
+]  # fmt: skip
+SMALL_VARIANTS = [
+    (8, 64, 64, 2, 4, 0, False), (8, 64, 64, 2, 4, 0, True), (8, 64, 64, 2, 4, 1, True),
+    (16, 128, 128, 4, 4, 2), (8, 128, 128, 4, 4, 2), (16, 64, 64, 2, 4, 1, True),
 ]  # fmt: skip
 OLD_VARIANTS = [
     (8, 128, 128, 4, 4, 0), (8, 128, 128, 4, 4, 1), (8, 64, 64, 2, 4, 1), (16, 64, 64, 2, 4, 1),
@@ -55,8 +60,9 @@ def main() -> int:
     parser.add_argument("--tokens", default="512,1024,2048,8192")
     parser.add_argument("--all", action="store_true", help="also the older variants")
     parser.add_argument("--no-grouped", action="store_true", help="skip the grouped GEMMs")
+    parser.add_argument("--small", action="store_true", help="the 17-128-token variants")
     args = parser.parse_args()
-    variants = VARIANTS + (OLD_VARIANTS if args.all else [])
+    variants = (SMALL_VARIANTS if args.small else VARIANTS) + (OLD_VARIANTS if args.all else [])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     config = ModelConfig.from_dict(preset_config("120b"))
     weights = random_moe_weights(config)
@@ -73,12 +79,13 @@ def main() -> int:
         for cols in (8, 32, 128):
             us = timed(lambda i, ids=ids, c=cols: group_only(ids[i], c))
             rows.append((tokens, f"group kernel alone, {cols} columns", us))
-        for cols, gu_rows, down_rows, warps, stages, order in variants:
+        for cols, gu_rows, down_rows, warps, stages, order, *words in variants:
+            scale_words = words[0] if words else order == 2
             t = dataclasses.replace(
                 small.decode_tiles_for(384), group_size=cols, gate_up_rows=gu_rows,
                 down_rows=down_rows, gate_up_warps=warps, down_warps=warps,
                 gate_up_stages=stages, down_stages=stages, tile_order=order > 0,
-                wgmma_order=order == 2, scale_words=order == 2,
+                wgmma_order=order == 2, scale_words=scale_words,
             )  # fmt: skip
             try:
                 us = timed(lambda i, t=t, xs=xs: small.mxfp4_moe_decode(xs[i], weights, tiles=t))
@@ -87,7 +94,7 @@ def main() -> int:
             except Exception as exc:  # a tile that does not compile: report, go on
                 logger.warning("T=%d %s: %s", tokens, t, exc)
                 continue
-            name = ("thread", "tile", "wgmma")[order]
+            name = ("thread", "tile", "wgmma")[order] + (" words" if scale_words else "")
             rows.append((tokens, f"columns {cols} {gu_rows}/{down_rows} w{warps} s{stages} {name} "
                          f"(max_rel {err:.1e})", us))  # fmt: skip
         torch.cuda.empty_cache()

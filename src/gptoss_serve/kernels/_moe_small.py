@@ -153,7 +153,11 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # per-pair kernels win (bench/RESULTS.md v5, H200). 64-row tiles for both (2 warps, 4
     # stages), from moe_profile.py's columns sweep: the whole MoE at 24 / 32 / 64 tokens
     # 455 / 530 / 745 -> ~415 / 470 / 651 us against 32-row tiles.
-    (64, _COLUMNS),
+    # Since v7b (H200, moe_prefill_columns.py --small, us per layer) with the activations in
+    # tile order and the scales as words: 24 / 32 / 48 / 64 / 96 / 128 tokens 372 / 435 /
+    # 522 / 560 / 632 / 660 -> 353 / 425 / 502 / 548 / 606 / 627 (2-5%; the words alone, in
+    # thread order, lose 2-9%).
+    (64, dataclasses.replace(_COLUMNS, tile_order=True, scale_words=True)),
     # 65-1024 tokens (large decode batches and short prefills; the grouped GEMMs took them
     # before). H200, moe_profile.py's columns sweep at 128 and 256 tokens and
     # moe_prefill_columns.py at 256-2048: groups of 8 pairs with 64-row tiles and 4-warp down
@@ -162,7 +166,7 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # MoE per layer against the grouped GEMMs: 128 / 256 / 1024 tokens 685 / 749 / 1,601 us
     # against 1,557 / 1,623 / 1,842 us; at 2048 they tie (2,734 / 2,762), so the switch sits
     # at 1024.
-    (128, dataclasses.replace(_COLUMNS, down_warps=4)),
+    (128, dataclasses.replace(_COLUMNS, tile_order=True, scale_words=True)),
     # Past 128 tokens, wgmma: 128-row tiles of 4 warps in the wgmma tile order
     # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are),
     # each step's scales through the cp.async pipeline (scale_words). H200, one layer, us
