@@ -73,7 +73,7 @@ class DecodeTiles:
     # pairs (the MMA's columns). The GEMV tiles are then gate_up_rows / down_rows rows (split
     # 1), with the same warps and stages; the routing must come from the router.
     group_columns: bool = False
-    group_size: int = 8  # pairs per group (group_columns): 8 to 64, one to eight n8 MMAs
+    group_size: int = 8  # pairs per group (group_columns): the MMAs' columns, 8 to 256
     # group_columns: activations stored in the GEMV tile's column order (a plain [128, NC]
     # load per step) rather than thread order (4 contiguous 16-byte runs per thread, permuted
     # in registers)
@@ -136,6 +136,12 @@ _COLUMNS = DecodeTiles(
     down_warps=2,
 )  # fmt: skip
 
+# ... and past 128 tokens: 128-row tiles of 4 warps on wgmma, in its tile order, scale words.
+_WGMMA_COLUMNS = dataclasses.replace(
+    _COLUMNS, gate_up_rows=128, down_rows=128, gate_up_warps=4, down_warps=4, tile_order=True,
+    wgmma_order=True, scale_words=True,
+)  # fmt: skip
+
 # By token count (first entry with T ≤ its bound), from bench/moe_profile.py on the H200 (v2,
 # d6597e1: its "best tiles" at T = 1, 4, 16). At T = 1 the K split gives the SMs enough warps
 # (gate_up 1440, down 1440 at 120b shapes, all resident at once); more tokens bring their own.
@@ -152,20 +158,11 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us; at 16 they tie, at 8 the
     # per-pair kernels win (bench/RESULTS.md v5, H200). 64-row tiles for both (2 warps, 4
     # stages), from moe_profile.py's columns sweep: the whole MoE at 24 / 32 / 64 tokens
-    # 455 / 530 / 745 -> ~415 / 470 / 651 us against 32-row tiles.
-    # Since v7b (H200, moe_prefill_columns.py --small, us per layer) with the activations in
-    # tile order and the scales as words: 24 / 32 / 48 / 64 / 96 / 128 tokens 372 / 435 /
-    # 522 / 560 / 632 / 660 -> 353 / 425 / 502 / 548 / 606 / 627 (2-5%; the words alone, in
-    # thread order, lose 2-9%).
-    (64, dataclasses.replace(_COLUMNS, tile_order=True, scale_words=True)),
-    # 65-1024 tokens (large decode batches and short prefills; the grouped GEMMs took them
-    # before). H200, moe_profile.py's columns sweep at 128 and 256 tokens and
-    # moe_prefill_columns.py at 256-2048: groups of 8 pairs with 64-row tiles and 4-warp down
-    # at 128 tokens; past that activations in tile order (a plain load per step: 16 pairs a
-    # group at 256 tokens 811 -> 749 us, 32 pairs at 1024 tokens 2,293 -> 1,601 us). Whole
-    # MoE per layer against the grouped GEMMs: 128 / 256 / 1024 tokens 685 / 749 / 1,601 us
-    # against 1,557 / 1,623 / 1,842 us; at 2048 they tie (2,734 / 2,762), so the switch sits
-    # at 1024.
+    # 455 / 530 / 745 -> ~415 / 470 / 651 us against 32-row tiles. Up to 128 tokens (large
+    # decode batches) groups of 8 on mma.sync; since v7b with the activations in tile order
+    # and the scales as words (H200, moe_prefill_columns.py --small, us per layer): 24 / 32 /
+    # 48 / 64 / 96 / 128 tokens 372 / 435 / 522 / 560 / 632 / 660 -> 353 / 425 / 502 / 548 /
+    # 606 / 627 (2-5%; the words alone, in thread order, lose 2-9%).
     (128, dataclasses.replace(_COLUMNS, tile_order=True, scale_words=True)),
     # Past 128 tokens, wgmma: 128-row tiles of 4 warps in the wgmma tile order
     # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are),
@@ -176,19 +173,12 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # mma.sync row before, groups of 32 on 64-row tiles of 2 warps: 1,273 at 512, 1,464 at
     # 1024); 2048 / 8192 tokens, groups of 64: 1,703 / 4,946 (the grouped GEMMs 2,751 /
     # 7,896). Groups of 128 or 8-warp tiles lose at every size measured.
-    (384, dataclasses.replace(
-        _COLUMNS, group_size=16, gate_up_rows=128, down_rows=128, gate_up_warps=4,
-        down_warps=4, tile_order=True, wgmma_order=True, scale_words=True,
-    )),
+    (384, dataclasses.replace(_WGMMA_COLUMNS, group_size=16)),
     (1024, dataclasses.replace(
-        _COLUMNS, group_size=32, gate_up_rows=128, down_rows=128, gate_up_warps=4,
-        down_warps=4, gate_up_stages=3, down_stages=3, tile_order=True, wgmma_order=True,
-        scale_words=True,
+        _WGMMA_COLUMNS, group_size=32, gate_up_stages=3, down_stages=3
     )),
     (DECODE_MAX_TOKENS, dataclasses.replace(
-        _COLUMNS, group_size=64, gate_up_rows=128, down_rows=128, gate_up_warps=4,
-        down_warps=4, gate_up_stages=3, down_stages=3, tile_order=True, wgmma_order=True,
-        scale_words=True,
+        _WGMMA_COLUMNS, group_size=64, gate_up_stages=3, down_stages=3
     )),
 )  # fmt: skip
 
