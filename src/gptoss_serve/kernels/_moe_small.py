@@ -488,27 +488,46 @@ def group(
     return group_expert, group_pairs
 
 
-def _group_by_table(
-    ids: torch.Tensor, num_experts: int, group_expert: torch.Tensor, group_pairs: torch.Tensor
+def launch_block_table(
+    ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    sorted_pairs: torch.Tensor,
+    block_table: torch.Tensor,
+    num_blocks: torch.Tensor,
 ) -> None:
-    """Many pairs: the prefill grouping's count, block table and scatter (_moe_routing.py,
-    blocks of group_size pairs), then the table as groups. Four launches and a memset."""
+    """The prefill grouping (_moe_routing.py): the pairs of ``ids`` [T, k] (int32,
+    contiguous) sorted by expert into ``sorted_pairs`` [P] and cut into blocks of up to
+    ``block_m`` rows, ``block_table`` [3, max_blocks] (expert, row start, segment end) and
+    ``num_blocks`` [1]. Count, table, scatter: three launches and a memset."""
     num_pairs = ids.numel()
-    g_max, cols = group_pairs.shape
-    device = ids.device
     e_pad = max(16, _pow2(num_experts))
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    block_table = torch.empty(3, g_max, dtype=torch.int32, device=device)
-    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     grid = (triton.cdiv(num_pairs, _PAIRS_BLOCK),)
     routing._count_kernel[grid](ids, counts, num_pairs, E_PAD=e_pad, BLOCK=_PAIRS_BLOCK)
     routing._block_table_kernel[(1,)](
-        counts, cursor, block_table, num_blocks, num_experts, g_max, E_PAD=e_pad,
-        BLOCK_M=cols, CHUNK_B=_TABLE_CHUNK,
+        counts, cursor, block_table, num_blocks, num_experts, block_table.shape[1],
+        E_PAD=e_pad, BLOCK_M=block_m, CHUNK_B=TABLE_CHUNK,
     )  # fmt: skip
     routing._scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, BLOCK=_PAIRS_BLOCK)
+
+
+def _group_by_table(
+    ids: torch.Tensor, num_experts: int, group_expert: torch.Tensor, group_pairs: torch.Tensor
+) -> None:
+    """Many pairs: the prefill grouping in blocks of group_size pairs (``launch_block_table``),
+    then the table as groups."""
+    g_max, cols = group_pairs.shape
+    device = ids.device
+    sorted_pairs = torch.empty(ids.numel(), dtype=torch.int32, device=device)
+    block_table = torch.empty(3, g_max, dtype=torch.int32, device=device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
+    launch_block_table(
+        ids, num_experts, cols, sorted_pairs=sorted_pairs, block_table=block_table,
+        num_blocks=num_blocks,
+    )  # fmt: skip
     columns._table_groups_kernel[(triton.cdiv(g_max, _TABLE_GROUPS),)](
         sorted_pairs, block_table, num_blocks, group_expert, group_pairs, G_MAX=g_max,
         COLS=cols, BLOCK_G=_TABLE_GROUPS,
@@ -517,7 +536,7 @@ def _group_by_table(
 
 _SUM_BLOCK = 1024
 _PAIRS_BLOCK = 1024  # pairs per program of the count and scatter kernels
-_TABLE_CHUNK = 64  # row blocks per step of the block-table kernel
+TABLE_CHUNK = 64  # row blocks per step of the block-table kernels
 _TABLE_GROUPS = 16  # groups per program of _table_groups_kernel
 _GROUP_FILL = 4096  # table entries cleared per step
 

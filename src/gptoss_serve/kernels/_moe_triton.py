@@ -28,8 +28,10 @@ from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_routing as routing
 from gptoss_serve.kernels._moe_small import (
     DECODE_MAX_TOKENS,
+    TABLE_CHUNK,
     DecodeTiles,
     decode_tiles_for,
+    launch_block_table,
     mxfp4_moe_decode,
     sum_pairs,
 )
@@ -87,8 +89,6 @@ PREFILL_TILES: tuple[tuple[float, MoeTiles], ...] = (
     (112, MoeTiles(128, _PREFILL[1], _PREFILL[1], small_routing=False)),
     (math.inf, MoeTiles(256, _PREFILL[2], _PREFILL[2], small_routing=False)),
 )
-_GROUP_BLOCK = 1024  # pairs per program of the prefill count/scatter kernels
-_TABLE_CHUNK = 64  # row blocks per step when writing the block table
 
 
 def tiles_for(num_tokens: int, num_experts: int, top_k: int = 4) -> MoeTiles:
@@ -226,21 +226,11 @@ def group_pairs(expert_ids: torch.Tensor, num_experts: int, tiles: MoeTiles) -> 
     """expert_ids [T, k] int32 (contiguous) -> the pairs grouped by expert, on the device."""
     if tiles.small_routing:
         return _group_small(None, expert_ids, None, num_experts, tiles)
-    num_pairs = expert_ids.numel()
-    device = expert_ids.device
-    e_pad = _experts_pad(num_experts)
-    grouping = _empty_grouping(num_pairs, num_experts, tiles.block_m, device)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    grid = (triton.cdiv(num_pairs, _GROUP_BLOCK),)
-    routing._count_kernel[grid](expert_ids, counts, num_pairs, E_PAD=e_pad, BLOCK=_GROUP_BLOCK)
-    routing._block_table_kernel[(1,)](
-        counts, cursor, grouping.block_table, grouping.num_blocks, num_experts,
-        grouping.max_blocks, E_PAD=e_pad, BLOCK_M=tiles.block_m, CHUNK_B=_TABLE_CHUNK,
+    grouping = _empty_grouping(expert_ids.numel(), num_experts, tiles.block_m, expert_ids.device)
+    launch_block_table(
+        expert_ids, num_experts, tiles.block_m, sorted_pairs=grouping.sorted_pair_ids,
+        block_table=grouping.block_table, num_blocks=grouping.num_blocks,
     )  # fmt: skip
-    routing._scatter_kernel[grid](
-        expert_ids, cursor, grouping.sorted_pair_ids, num_pairs, BLOCK=_GROUP_BLOCK
-    )
     return grouping
 
 
@@ -261,7 +251,7 @@ def _group_small(
         grouping.sorted_pair_ids, grouping.block_table, grouping.num_blocks,
         num_tokens, num_experts, grouping.max_blocks,
         TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_experts_pad(num_experts),
-        CHUNK_T=min(16, _pow2(num_tokens)), BLOCK_M=tiles.block_m, CHUNK_B=_TABLE_CHUNK,
+        CHUNK_T=min(16, _pow2(num_tokens)), BLOCK_M=tiles.block_m, CHUNK_B=TABLE_CHUNK,
         FROM_LOGITS=from_logits, num_warps=4,
     )  # fmt: skip
     return grouping
