@@ -58,7 +58,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     weights = synthetic_weights(synthetic_model_config(args.model), device="cuda")
-    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(args.batch)))
+    # The phases of a step in turn (async scheduling overlaps them with the device; the
+    # engine bench measures that).
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(args.batch)),
+                          async_scheduling=False)  # fmt: skip
     make_core, _, _ = build_engine(weights, config)
     print(f"{'batch':>5} " + " ".join(f"{p:>15}" for p in (*PHASES, "step")) + "  (us, median)")  # noqa: T201
     for batch in args.batch:

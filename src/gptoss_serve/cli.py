@@ -227,6 +227,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plain kernel launches (no programmatic dependent launch)",
     )
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="schedule each step after the last one's tokens are read (no step launched ahead)",
+    )
 
 
 def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) -> EngineConfig:
@@ -243,6 +248,7 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) 
             max_gpu_memory_gb=args.max_gpu_memory,
             use_cuda_graphs=not args.no_cuda_graphs,
             programmatic_launch=not args.no_pdl,
+            async_scheduling=not args.no_async_scheduling,
             reference_ops=getattr(args, "dtype", None) == "float32",
         )
     except ValueError as error:

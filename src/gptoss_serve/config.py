@@ -366,6 +366,9 @@ class EngineConfig:
     # The decode step's kernels as programmatic dependent launches (kernels/launch.py):
     # 2.76 -> 2.59 ms a 120b batch-1 step on the H200 (bench/pdl_step.py).
     programmatic_launch: bool = True
+    # Each step launched before the last one's tokens are read back (engine/engine.py), so
+    # the device does not wait for the host between steps.
+    async_scheduling: bool = True
     # The plain-torch references instead of the Triton kernels (the float32 verification
     # mode; slow, no graphs).
     reference_ops: bool = False

@@ -26,8 +26,8 @@ def run_greedy(
     if runner is not None:
         original = runner.forward
 
-        def forward(output):
-            logits, inputs = original(output)
+        def forward(output, previous=None):
+            logits, inputs = original(output, previous)
             for row, request_id in enumerate(inputs.sampled_request_ids):
                 run.rows.setdefault(request_id, []).append(
                     logits[row].to("cpu", torch.float32, copy=True)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from gptoss_serve.config import SamplingParams, SchedulerConfig
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
 from gptoss_serve.engine.kv_manager import NO_BLOCK, SLIDING_GROUP, KvCacheManager
-from gptoss_serve.engine.request import Request, RequestStatus
+from gptoss_serve.engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from gptoss_serve.engine.scheduler import Scheduler
 from gptoss_serve.engine.scheduler_output import RequestOutput, SchedulerOutput
 
@@ -74,7 +74,12 @@ class FakeModel:
         self.slots: list[dict[int, int]] = [{} for _ in scheduler.kv.pools]
         self.tokens_seen: dict[str, dict[int, int]] = {}  # request -> position -> token computed
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(
+        self, output: SchedulerOutput, previous: dict[str, int] | None = None
+    ) -> dict[str, int]:
+        """``previous``: the tokens sampled by the step before, still in flight (async
+        scheduling): a placeholder row takes its request's token from there, as the runner
+        does on the device."""
         written: set[tuple[int, int]] = set()
         fingerprints = {}
         for entry in output.scheduled:
@@ -82,8 +87,14 @@ class FakeModel:
             tokens = request.all_token_ids
             start = entry.num_computed_tokens
             assert list(entry.token_ids) == tokens[start : entry.seq_len]
+            if request.has_placeholder:
+                assert entry.is_decode and entry.seq_len == request.num_tokens
+                assert previous is not None and entry.request_id in previous
+                tokens = [*tokens[:-1], previous[entry.request_id]]
+            assert PLACEHOLDER_TOKEN not in tokens[: entry.seq_len]
             seen = self.tokens_seen.setdefault(entry.request_id, {})
-            for position, token in zip(entry.positions, entry.token_ids, strict=True):
+            for position, token in zip(entry.positions, tokens[start : entry.seq_len],
+                                       strict=True):  # fmt: skip
                 assert seen.setdefault(position, token) == token, "recompute changed a token"
             prints = fingerprints[entry.request_id] = _fingerprints(tokens[: entry.seq_len])
             for group, slots in enumerate(self.slots):
@@ -134,6 +145,42 @@ def step(
     return output, scheduler.update_from_output(output, sampled)
 
 
+class AheadDriver:
+    """Steps a scheduler the way the engine does with async scheduling: each step schedules
+    and "launches" the next one before the running one's tokens are read back."""
+
+    def __init__(self, scheduler: Scheduler, model: FakeModel | None = None, token: int = 7):
+        self.scheduler = scheduler
+        self.model = model
+        self.token = token
+        self.launched: tuple[SchedulerOutput, dict[str, int]] | None = None
+
+    def _execute(self, output: SchedulerOutput, previous: dict[str, int] | None):
+        if self.model is not None:
+            return self.model.execute(output, previous)
+        return {s.request_id: self.token for s in output.scheduled if s.is_sampled}
+
+    def step(self) -> tuple[SchedulerOutput | None, list[RequestOutput]]:
+        """(the step whose tokens were read back, what it gave)."""
+        if self.launched is None:
+            output = self.scheduler.schedule()
+            if output.is_empty:
+                return None, []
+            self.launched = (output, self._execute(output, None))
+        output, sampled = self.launched
+        ahead = self.scheduler.schedule(ahead=True)
+        self.launched = None if ahead.is_empty else (ahead, self._execute(ahead, sampled))
+        results = self.scheduler.update_from_output(output, sampled)
+        if self.launched is not None and not self.scheduler.has_unfinished_requests:
+            self.scheduler.update_from_output(*self.launched)  # rows of finished requests only
+            self.launched = None
+        return output, results
+
+    @property
+    def in_flight(self) -> SchedulerOutput | None:
+        return None if self.launched is None else self.launched[0]
+
+
 def run_to_completion(
     scheduler: Scheduler, model: FakeModel, max_steps: int = 10_000
 ) -> dict[str, list[int]]:
@@ -149,9 +196,12 @@ def run_to_completion(
     raise AssertionError("requests did not finish")
 
 
-def check_invariants(scheduler: Scheduler) -> None:
-    """Between steps: block ownership, reference counts and free counts add up."""
+def check_invariants(scheduler: Scheduler, in_flight: SchedulerOutput | None = None) -> None:
+    """Between steps: block ownership, reference counts and free counts add up.
+    ``in_flight``: a step scheduled ahead and not updated yet (its blocks are allocated)."""
     kv = scheduler.kv
+    pending = {} if in_flight is None else {s.request_id: s.num_new_tokens
+                                             for s in in_flight.scheduled}  # fmt: skip
     for group, pool in enumerate(kv.pools):
         owners: dict[int, int] = {}
         for request in scheduler.running:
@@ -165,11 +215,13 @@ def check_invariants(scheduler: Scheduler) -> None:
     for request in scheduler.running:
         assert request.status is RequestStatus.RUNNING
         assert 0 <= request.num_computed_tokens < request.num_tokens
-        num_blocks = -(-request.num_computed_tokens // BLOCK_SIZE)
+        assert not request.has_placeholder
+        written = request.num_computed_tokens + pending.get(request.request_id, 0)
+        num_blocks = -(-written // BLOCK_SIZE)
         full = request.block_ids[0]
         assert len(full) == num_blocks and NO_BLOCK not in full
         # A block still to be written (holding the next token) is private and unregistered.
-        if request.num_computed_tokens % BLOCK_SIZE:
+        if written % BLOCK_SIZE:
             for pool, table in zip(kv.pools, request.block_ids, strict=True):
                 block = table[-1]
                 assert pool.ref_counts[block] == 1 and pool.block_hash(block) is None

@@ -40,11 +40,13 @@ def _transformers(model_dir: Path):
     return model.eval()
 
 
-def _make_core(model_dir: Path, *, budget: int = 64, kv_tokens: int = 4096, max_num_seqs: int = 4):
+def _make_core(model_dir: Path, *, budget: int = 64, kv_tokens: int = 4096, max_num_seqs: int = 4,
+               async_scheduling: bool = True):  # fmt: skip
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                   max_model_len=1024),
         kv_cache_tokens=kv_tokens, reference_ops=True, use_cuda_graphs=False,
+        async_scheduling=async_scheduling,
     )  # fmt: skip
     make_core, runner, _ = build_engine(_weights(model_dir), config)
     return make_core, runner
@@ -119,6 +121,37 @@ def test_preemption_recomputes_to_the_same_tokens(checkpoint_dirs: dict[str, Pat
             run_greedy(roomy_core(), {request_id: prompt}, 40).tokens[request_id]
             == squeezed[request_id]
         )
+
+
+def test_async_scheduling_gives_the_tokens_of_steps_in_turn(
+    checkpoint_dirs: dict[str, Path],
+) -> None:
+    model_dir = checkpoint_dirs["tiny8"]
+    vocab = _weights(model_dir).config.vocab_size
+    prompts = {f"q{i}": _prompt(vocab, 30 + 17 * i, seed=40 + i) for i in range(4)}
+
+    def run(async_scheduling: bool, stop: tuple[int, ...] = ()) -> dict[str, list[int]]:
+        # 14 blocks for four requests that grow to 50-116 tokens: preemptions too.
+        make_core, _ = _make_core(model_dir, budget=48, kv_tokens=224,
+                                  async_scheduling=async_scheduling)  # fmt: skip
+        core = make_core()
+        for index, (request_id, prompt) in enumerate(prompts.items()):
+            params = SamplingParams(max_tokens=20 + 5 * index, temperature=1.0, seed=index,
+                                    stop_token_ids=stop)  # fmt: skip
+            core.add_request(request_id, prompt, params)
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+        while core.has_unfinished_requests:
+            for output in core.step().outputs:
+                tokens[output.request_id].extend(output.new_token_ids)
+        assert core._in_flight is None and core.scheduler.stats().num_preemptions > 0
+        return tokens
+
+    plain = run(async_scheduling=False)
+    stop = plain["q1"][2]  # q1 then stops at its third token (or sooner)
+    stopped = run(async_scheduling=True, stop=(stop,))
+    assert stopped == run(async_scheduling=False, stop=(stop,))
+    assert len(stopped["q1"]) <= 3 and stopped["q1"][-1] == stop
+    assert run(async_scheduling=True) == plain
 
 
 def test_async_engine_streams_aborts_and_refuses(checkpoint_dirs: dict[str, Path]) -> None:

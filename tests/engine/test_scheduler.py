@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from factories import (
     STOP,
+    AheadDriver,
     FakeModel,
     check_invariants,
     make_request,
@@ -15,7 +16,7 @@ from factories import (
 
 from gptoss_serve.config import SchedulerConfig
 from gptoss_serve.engine.kv_manager import NO_BLOCK, SLIDING_GROUP, KvCacheManager
-from gptoss_serve.engine.request import RequestStatus
+from gptoss_serve.engine.request import PLACEHOLDER_TOKEN, RequestStatus
 from gptoss_serve.engine.scheduler import Scheduler, SchedulerError
 
 # -- admission and the token budget ----------------------------------------------------------------
@@ -342,3 +343,67 @@ def test_sliding_blocks_before_the_window_go_back_to_the_pool() -> None:
     assert table[:5] == [NO_BLOCK] * 5  # by the end, positions 0..79 had left the window
     assert scheduler.stats().num_preemptions == 0
     assert sliding.num_free_blocks == sliding.num_blocks
+
+
+# -- async scheduling (one step scheduled ahead) ---------------------------------------------------
+
+
+def test_ahead_needs_one_step_in_flight() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a"))
+    with pytest.raises(RuntimeError, match="exactly one step in flight"):
+        scheduler.schedule(ahead=True)
+    first = scheduler.schedule()
+    second = scheduler.schedule(ahead=True)
+    with pytest.raises(RuntimeError, match="exactly one step in flight"):
+        scheduler.schedule(ahead=True)
+    with pytest.raises(RuntimeError, match="last schedule"):
+        scheduler.update_from_output(second, {"a": 3})  # the oldest first
+    scheduler.update_from_output(first, {"a": 3})
+    scheduler.update_from_output(second, {"a": 4})
+    assert scheduler.requests["a"].output_token_ids == [3, 4]
+
+
+def test_ahead_counts_a_placeholder_and_skips_requests_that_end_with_it() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    scheduler.add_request(make_request("long", 20, max_tokens=8))
+    scheduler.add_request(make_request("one", 10, max_tokens=1))
+    scheduler.add_request(make_request("stop", 10, max_tokens=8, stop_token_ids=(STOP,)))
+    first = scheduler.schedule()
+    ahead = scheduler.schedule(ahead=True)
+    # "one" ends with the token in flight: not scheduled; the others decode its placeholder.
+    assert [(s.request_id, s.token_ids) for s in ahead.scheduled] == [
+        ("long", (PLACEHOLDER_TOKEN,)), ("stop", (PLACEHOLDER_TOKEN,)),
+    ]  # fmt: skip
+    assert scheduler.requests["long"].num_computed_tokens == 20
+    results = scheduler.update_from_output(first, {"long": 5, "one": 6, "stop": STOP})
+    assert {r.request_id: (r.new_token_ids, r.finish_reason) for r in results} == {
+        "long": ((5,), None), "one": ((6,), "length"), "stop": ((STOP,), "stop"),
+    }  # fmt: skip
+    assert scheduler.requests["long"].all_token_ids[-1] == 5
+    # The stopped request's row in the step ahead is computed in vain and ignored.
+    results = scheduler.update_from_output(ahead, {"long": 9, "stop": 9})
+    assert [(r.request_id, r.new_token_ids) for r in results] == [("long", (9,))]
+    assert set(scheduler.requests) == {"long"}
+    check_invariants(scheduler)
+
+
+def test_ahead_gives_the_tokens_of_steps_in_turn() -> None:
+    def run(ahead: bool) -> dict[str, list[int]]:
+        scheduler = make_scheduler(num_full_blocks=8, max_num_seqs=3, max_num_batched_tokens=32)
+        for index, name in enumerate("abcde"):
+            scheduler.add_request(make_request(name, 15 + 9 * index, max_tokens=20,
+                                               stop_token_ids=(STOP,)))  # fmt: skip
+        model = FakeModel(scheduler, vocab=23)
+        if not ahead:
+            return run_to_completion(scheduler, model)
+        driver, streamed = AheadDriver(scheduler, model), {}
+        while scheduler.has_unfinished_requests:
+            _, results = driver.step()
+            for result in results:
+                streamed.setdefault(result.request_id, []).extend(result.new_token_ids)
+            check_invariants(scheduler, driver.in_flight)
+        assert scheduler.stats().num_preemptions > 0
+        return streamed
+
+    assert run(ahead=True) == run(ahead=False)

@@ -69,7 +69,8 @@ def run_engine_bench(
         "settings": {"max_num_seqs": config.scheduler.max_num_seqs,
                      "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
                      "decode_tokens": decode_tokens, "cuda_graphs": config.use_cuda_graphs,
-                     "programmatic_launch": config.programmatic_launch},
+                     "programmatic_launch": config.programmatic_launch,
+                     "async_scheduling": config.async_scheduling},
         "figures": figures,
     }  # fmt: skip
 

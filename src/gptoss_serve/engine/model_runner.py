@@ -2,7 +2,10 @@
 (a captured CUDA graph for decode-only steps, eager otherwise), then sampling on the device.
 
 The only host sync per step is reading back the sampled tokens, which the scheduler and the
-streams need.
+streams need. With async scheduling that read waits for one step while the next one, already
+launched, runs: its decode rows whose token is still a placeholder take the token sampled for
+their request on the device (``PreviousTokens``), and the tokens come back through pinned
+buffers (``SampledTokens``) whose copy is queued before the next step.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from gptoss_serve.engine.forward import forward
 from gptoss_serve.engine.input_batch import InputBatch, StepInputs
 from gptoss_serve.engine.kv_cache import KvCacheTensors
 from gptoss_serve.engine.ops import KERNEL_OPS, Ops
+from gptoss_serve.engine.request import PLACEHOLDER_TOKEN
 from gptoss_serve.engine.scheduler_output import SchedulerOutput
 from gptoss_serve.engine.weights import ModelWeights
 from gptoss_serve.kernels.sampling import apply_token_bitmask, needs_nucleus
@@ -33,6 +37,33 @@ class SamplingBatch:
     top_p: list[float]
     seeds: list[int]
     steps: list[int]  # index of the token being drawn (its number of output tokens so far)
+
+
+@dataclass(frozen=True)
+class PreviousTokens:
+    """The tokens a step still in flight samples, on the device, row by row."""
+
+    request_ids: tuple[str, ...]
+    tokens: torch.Tensor  # int64 [S]
+
+
+class SampledTokens:
+    """A step's sampled tokens: on the device, and on their way to the host."""
+
+    def __init__(self, tokens: torch.Tensor, host: torch.Tensor | None) -> None:
+        self.device = tokens
+        self._host = host
+        self._event = None
+        if host is not None:  # a pinned buffer: the copy is queued now, waited for in tolist
+            host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def tolist(self) -> list[int]:
+        if self._event is None:
+            return self.device.tolist()
+        self._event.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -59,6 +90,15 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs and self.device.type == "cuda" and ops.is_graph_safe:
             self.graphs = DecodeGraphs(graph_batch_sizes(config.max_num_seqs))
+        # Two pinned buffers in turn for the tokens read back: a step's may be in flight
+        # while the one before is read.
+        self._token_buffers = []
+        if self.device.type == "cuda":
+            self._token_buffers = [
+                torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                for _ in range(2)
+            ]
+        self._num_reads = 0
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
@@ -75,13 +115,18 @@ class ModelRunner:
     def _decode_step(self, inputs: StepInputs) -> torch.Tensor:
         return forward(self.weights, self.kv, self.ops, inputs.input_ids, inputs.metadata)
 
-    def forward(self, output: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+    def forward(
+        self, output: SchedulerOutput, previous: PreviousTokens | None = None
+    ) -> tuple[torch.Tensor, StepInputs]:
         """Queue the step's forward pass; returns float32 logits [S, V] of the sampled rows
-        (not yet computed when this returns on a GPU) and the step's inputs."""
+        (not yet computed when this returns on a GPU) and the step's inputs. ``previous``:
+        the step before, when it is still in flight (rows with a placeholder token take its
+        tokens)."""
         size = None
         if self.graphs is not None and output.num_decodes == len(output.scheduled):
             size = self.graphs.padded_size(output.num_decodes)
         inputs = self.batch.prepare(output, decode_rows=size)
+        _take_previous_tokens(inputs.input_ids, output, previous)
         if size is not None:
             logits = self.graphs.replay(size)[: len(inputs.sampled_request_ids)]
         else:
@@ -94,6 +139,18 @@ class ModelRunner:
                 logits_indices=inputs.logits_indices,
             )
         return logits, inputs
+
+    def sample_async(
+        self, logits: torch.Tensor, sampling: SamplingBatch, bitmask: torch.Tensor | None
+    ) -> SampledTokens:
+        """``launch_sampling`` and the copy of its tokens to the host, not waited for."""
+        tokens = self.launch_sampling(logits, sampling, bitmask)
+        host = None
+        if self._token_buffers:
+            buffer = self._token_buffers[self._num_reads % len(self._token_buffers)]
+            host = buffer[: tokens.shape[0]]
+            self._num_reads += 1
+        return SampledTokens(tokens, host)
 
     def sample(
         self, logits: torch.Tensor, sampling: SamplingBatch, bitmask: torch.Tensor | None
@@ -123,3 +180,33 @@ class ModelRunner:
             tensor(sampling.steps, torch.int64),
             nucleus=needs_nucleus(sampling.temperature, sampling.top_p),
         )
+
+
+def _take_previous_tokens(
+    input_ids: torch.Tensor, output: SchedulerOutput, previous: PreviousTokens | None
+) -> None:
+    """Placeholder tokens (decode rows, first in the batch) <- the tokens ``previous`` samples
+    for their requests, on the device: one copy when they line up, else a gather."""
+    rows, sources = [], []
+    index = None
+    for row, entry in enumerate(output.scheduled):
+        if entry.token_ids[-1] != PLACEHOLDER_TOKEN:
+            continue
+        if not entry.is_decode or row >= output.num_decodes:
+            raise ValueError(f"request {entry.request_id}: a placeholder outside a decode row")
+        if previous is None:
+            raise ValueError(f"request {entry.request_id}: a placeholder token and no step before")
+        if index is None:
+            index = {request_id: i for i, request_id in enumerate(previous.request_ids)}
+        rows.append(row)
+        sources.append(index[entry.request_id])
+    if not rows:
+        return
+    count = len(rows)
+    if rows == sources == list(range(count)):
+        input_ids[:count].copy_(previous.tokens[:count])
+        return
+    device = input_ids.device
+    source = torch.tensor(sources, dtype=torch.int64).to(device, non_blocking=True)
+    target = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    input_ids.index_copy_(0, target, previous.tokens.index_select(0, source))

@@ -14,6 +14,11 @@ from collections.abc import Sequence
 
 from gptoss_serve.config import SamplingParams
 
+# A sampled token not read back from the device yet (async scheduling: the next step is
+# scheduled while this one runs). The scheduler counts it, the runner feeds the row the token
+# the device sampled, and ``update_from_output`` writes the real id in its place.
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -97,9 +102,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def has_placeholder(self) -> bool:
+        """Whether the last token is a sampled one not known on the host yet."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER_TOKEN
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The sampled token behind the trailing ``PLACEHOLDER_TOKEN``."""
+        if not self.has_placeholder:
+            raise RuntimeError(f"request {self.request_id} has no token to resolve")
+        self.output_token_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
 
     def __repr__(self) -> str:
         return (

@@ -17,6 +17,15 @@ vLLM v1:
 A request that could never fit (prompt at or past the context limit, or more blocks than
 the whole pool) is refused by ``add_request``, so the queue never deadlocks: a lone request
 always gets every block.
+
+Async scheduling (``schedule(ahead=True)``, one step in flight): the next step is scheduled
+before the running one's tokens are read back. The running step's tokens are counted as
+computed then, each of its sampled requests gets a ``PLACEHOLDER_TOKEN`` (its decode row
+takes the token from the device), and ``update_from_output`` of the running step writes the
+real tokens in their place. A request that reaches max_tokens or the context limit with the
+placeholder is not scheduled again; one that samples a stop token has one row computed in
+vain. Every step runs on the device after the one before it, so blocks freed while a step is
+in flight are written again only by later steps.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from gptoss_serve.engine.kv_manager import (
     cdiv,
     sliding_blocks_bound,
 )
-from gptoss_serve.engine.request import Request, RequestStatus
+from gptoss_serve.engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from gptoss_serve.engine.scheduler_output import (
     RequestOutput,
     ScheduledRequest,
@@ -67,7 +76,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self._finished_ids: list[str] = []  # since the previous step
-        self._in_flight: SchedulerOutput | None = None
+        # Scheduled, not yet updated: the oldest first; two with async scheduling.
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._counted: SchedulerOutput | None = None  # in flight, its tokens counted ahead
         self._step = 0
         self._num_preemptions = 0
         self._num_prefix_queried_tokens = 0
@@ -118,9 +129,10 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called before update_from_output() of the last step")
+    def schedule(self, *, ahead: bool = False) -> SchedulerOutput:
+        """The next step. ``ahead``: while the last scheduled step is still in flight (async
+        scheduling; module docstring); an empty output is then not in flight."""
+        self._check_in_flight(ahead)
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
@@ -130,6 +142,8 @@ class Scheduler:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
+                continue
+            if self._ends_with_placeholder(request):  # finishes when its token is read
                 continue
             num_new = min(request.num_tokens_to_compute, budget, self.config.chunk_tokens)
             old_lengths = [len(table) for table in request.block_ids]
@@ -146,9 +160,13 @@ class Scheduler:
                 budget -= num_new
         if not preempted:
             budget = self._admit(budget, scheduled)
-        if not scheduled and not preempted and self.requests:
+        if not scheduled and not preempted and self.requests and not self._in_flight:
             # Nothing runs although blocks are all free: add_request let in the impossible.
             raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting, none admitted")
+        if ahead and not scheduled:  # nothing to run beside the step in flight
+            return SchedulerOutput(step=self._step, scheduled=(), num_decodes=0,
+                                   preempted_request_ids=tuple(preempted),
+                                   finished_request_ids=())  # fmt: skip
         entries = sorted(scheduled.values(), key=lambda s: not s.is_decode)
         output = SchedulerOutput(
             step=self._step,
@@ -159,8 +177,42 @@ class Scheduler:
         )
         self._finished_ids = []
         self._step += 1
-        self._in_flight = output
+        if not output.is_empty:
+            self._in_flight.append(output)
         return output
+
+    def _check_in_flight(self, ahead: bool) -> None:
+        if not ahead:
+            if self._in_flight:
+                raise RuntimeError("schedule() called before update_from_output() of the last step")
+            return
+        if len(self._in_flight) != 1:
+            raise RuntimeError("schedule(ahead=True) needs exactly one step in flight")
+        self._count_ahead(self._in_flight[0])
+
+    def _count_ahead(self, output: SchedulerOutput) -> None:
+        """Count the in-flight ``output``'s tokens as computed, with a placeholder for each
+        token it samples."""
+        for entry in output.scheduled:
+            request = self.requests.get(entry.request_id)
+            if request is None:  # aborted since
+                continue
+            self._count_computed(request, entry)
+            if entry.is_sampled:
+                request.append_output_token(PLACEHOLDER_TOKEN)
+        self._counted = output
+
+    def _count_computed(self, request: Request, entry: ScheduledRequest) -> None:
+        request.num_computed_tokens += entry.num_new_tokens
+        self.kv.register_computed_blocks(request)
+        self.kv.free_outside_window(request)
+
+    def _ends_with_placeholder(self, request: Request) -> bool:
+        """Whether the pending token is the request's last whatever it is."""
+        return request.has_placeholder and (
+            request.num_output_tokens >= request.params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        )
 
     def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -218,28 +270,36 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
     ) -> list[RequestOutput]:
-        """Record a computed step. ``sampled_token_ids`` holds one token for every scheduled
-        request with ``is_sampled``. Returns what each request got, finishes included."""
-        if output is not self._in_flight:
+        """Record a computed step, the oldest in flight. ``sampled_token_ids`` holds one token
+        for every scheduled request with ``is_sampled``. Returns what each request got,
+        finishes included. (An empty output, never in flight, gives nothing.)"""
+        if output.is_empty:
+            return []
+        if not self._in_flight or output is not self._in_flight[0]:
             raise RuntimeError("update_from_output() expects the output of the last schedule()")
-        self._in_flight = None
+        self._in_flight.popleft()
+        counted = output is self._counted
+        if counted:
+            self._counted = None
         results = []
         finished: set[str] = set()
         for entry in output.scheduled:
             request = self.requests.get(entry.request_id)
             if request is None:  # aborted after schedule(): its blocks are already free
                 continue
-            request.num_computed_tokens += entry.num_new_tokens
-            self.kv.register_computed_blocks(request)
-            self.kv.free_outside_window(request)
+            if not counted:
+                self._count_computed(request, entry)
             if not entry.is_sampled:
                 continue
             token = sampled_token_ids[entry.request_id]
-            request.append_output_token(token)
+            if counted:
+                request.resolve_placeholder(token)
+            else:
+                request.append_output_token(token)
             status = self._finish_status(request, token)
             if status is not None:
                 request.status = status
-                self.kv.free(request)
+                self.kv.free(request)  # preempted since: holds nothing
                 del self.requests[request.request_id]
                 finished.add(request.request_id)
                 self._finished_ids.append(request.request_id)
@@ -251,6 +311,8 @@ class Scheduler:
             )  # fmt: skip
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
+            if any(r.request_id in finished for r in self.waiting):  # preempted ahead
+                self.waiting = deque(r for r in self.waiting if r.request_id not in finished)
         return results
 
     def _finish_status(self, request: Request, token: int) -> RequestStatus | None:

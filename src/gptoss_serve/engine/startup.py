@@ -76,7 +76,9 @@ def build_engine(
             sliding_window=model.sliding_window if spec.num_sliding_layers else None,
             enable_prefix_caching=scheduler_config.enable_prefix_caching,
         )
-        return EngineCore(Scheduler(scheduler_config, manager), runner)
+        return EngineCore(
+            Scheduler(scheduler_config, manager), runner, async_scheduling=config.async_scheduling
+        )
 
     return make_core, runner, plan
 
