@@ -17,7 +17,7 @@ from gptoss_serve.kernels.attention import paged_attention_decode
 from gptoss_serve.kernels.linear import linear, linear_reference
 from gptoss_serve.kernels.moe import MoeWeights, mxfp4_moe
 from gptoss_serve.kernels.norm import fused_add_rms_norm
-from gptoss_serve.kernels.rope import rope_and_cache_write
+from gptoss_serve.kernels.rope import qkv_rope_and_cache_write, rope_and_cache_write
 from gptoss_serve.kernels.sampling import sample_tokens
 
 
@@ -37,11 +37,13 @@ def random_moe_weights(config: ModelConfig, device: str = "cuda") -> MoeWeights:
 class DecodeStep:
     """One batch-B decode step of the whole model over a paged cache of ``context`` tokens
     per sequence, with static buffers so it can be captured in a CUDA graph. ``dense``:
-    "triton" runs the projections through ``kernels.linear`` (the Triton GEMV at small batch),
-    "cublas" through torch's linear. ``weights`` (bf16): given, or synthetic ones drawn from
-    ``seed`` (default: torch's global seed); caches and input come from ``seed`` + 1. ``pdl``:
-    the kernels as programmatic dependent launches (kernels/launch.py; ``pdl_moe`` for the MoE's,
-    default ``pdl``). Each call keeps its
+    "triton" runs the projections through ``kernels.linear`` (the Triton GEMV at small batch)
+    and q/k/v with RoPE and the cache write through ``qkv_rope_and_cache_write`` (one fused
+    kernel up to 8 tokens), as the engine does; "triton-unfused" the q/k/v GEMV and the RoPE
+    kernel apart; "cublas" the projections through torch's linear. ``weights`` (bf16): given,
+    or synthetic ones drawn from ``seed`` (default: torch's global seed); caches and input
+    come from ``seed`` + 1. ``pdl``: the kernels as programmatic dependent launches
+    (kernels/launch.py; ``pdl_moe`` for the MoE's, default ``pdl``). Each call keeps its
     logits in ``last_logits``."""
 
     def __init__(
@@ -59,7 +61,8 @@ class DecodeStep:
         self.pdl = pdl
         self.pdl_moe = pdl if pdl_moe is None else pdl_moe
         self.last_logits: torch.Tensor | None = None
-        self.dense = {"triton": linear, "cublas": linear_reference}[dense]
+        self.dense = {"triton": linear, "triton-unfused": linear, "cublas": linear_reference}[dense]
+        self.fused_qkv = dense == "triton"
         h = config.hidden_size
         # Caches and input: their own generator, so the weights' draws do not depend on them.
         generator = torch.Generator(device=device).manual_seed(seed + 1)
@@ -85,8 +88,7 @@ class DecodeStep:
 
     def __call__(self) -> torch.Tensor:
         config = self.config
-        a, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        q_dim, kv_dim = config.q_dim, config.kv_dim
+        d, q_dim = config.head_dim, config.q_dim
         weights, x, residual = self.weights, self.hidden, None
         pdl = self.pdl
         dense_pdl = {"pdl": True} if pdl and self.dense is linear else {}
@@ -97,20 +99,13 @@ class DecodeStep:
             normed, residual = fused_add_rms_norm(
                 x, residual, attn.input_norm, config.rms_norm_eps, pdl=pdl
             )
-            qkv = self.dense(normed, attn.qkv_weight, attn.qkv_bias, **dense_pdl)
-            q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-            batch = q.shape[0]
-            q = rope_and_cache_write(
-                q.view(batch, a, d), k.view(batch, kv, d), v.view(batch, kv, d),
-                self.positions, weights.inv_freq, config.rope.attention_scaling,
-                k_cache, v_cache, self.slot_mapping, pdl=pdl,
-            )  # fmt: skip
+            q = self._qkv_rope(attn, normed, k_cache, v_cache, dense_pdl)
             window = config.sliding_window if config.is_sliding(index) else None
             out = paged_attention_decode(
                 q, k_cache, v_cache, self.block_tables, self.seq_lens, attn.sinks,
                 window=window, scale=d**-0.5, pdl=pdl,
             )  # fmt: skip
-            x = self.dense(out.view(batch, q_dim), attn.o_weight, attn.o_bias, **dense_pdl)
+            x = self.dense(out.view(-1, q_dim), attn.o_weight, attn.o_bias, **dense_pdl)
             normed, residual = fused_add_rms_norm(
                 x, residual, attn.post_norm, config.rms_norm_eps, pdl=pdl
             )
@@ -121,3 +116,25 @@ class DecodeStep:
         logits = self.dense(normed, weights.lm_head, out_dtype=torch.float32, **dense_pdl)
         self.last_logits = logits
         return sample_tokens(logits, self.temperature, self.top_p, self.seeds, self.steps)
+
+    def _qkv_rope(self, attn, normed, k_cache, v_cache, dense_pdl) -> torch.Tensor:
+        """The rotated q [B, A, D]; this step's K/V written into the caches."""
+        config, weights = self.config, self.weights
+        a, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        rope_args = (self.positions, weights.inv_freq, config.rope.attention_scaling, k_cache,
+                     v_cache, self.slot_mapping)  # fmt: skip
+        if self.fused_qkv:
+            return qkv_rope_and_cache_write(
+                normed, attn.qkv_weight, attn.qkv_bias, *rope_args, num_heads=a,
+                num_kv_heads=kv, cos_sin=weights.rope_cos_sin, pdl=self.pdl,
+            )  # fmt: skip
+        qkv = self.dense(normed, attn.qkv_weight, attn.qkv_bias, **dense_pdl)
+        q, k, v = qkv.split([config.q_dim, config.kv_dim, config.kv_dim], dim=-1)
+        batch = q.shape[0]
+        return rope_and_cache_write(
+            q.view(batch, a, d),
+            k.view(batch, kv, d),
+            v.view(batch, kv, d),
+            *rope_args,
+            pdl=self.pdl,
+        )

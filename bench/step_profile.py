@@ -195,8 +195,9 @@ def main() -> int:
                     "tbps": round(nbytes / (us * 1e-6) / 1e12, 3),
                 }
             )
-    for dense in ("cublas", "triton"):
-        step.dense = {"triton": linear, "cublas": linear_reference}[dense]
+    for dense in ("cublas", "triton-unfused", "triton"):
+        step.dense = linear_reference if dense == "cublas" else linear
+        step.fused_qkv = dense == "triton"  # q/k/v GEMV with RoPE and the cache write
         ms = statistics.median(graph_time_ms(step, repeats=30))
         rows.append(
             {"stage": f"whole step ({dense} projections)", "us": round(ms * 1e3, 1), "tbps": None}

@@ -22,7 +22,7 @@ def test_cli_programmatic_launch_flag() -> None:
 def test_kernel_ops_with_pdl_compute_the_same_off_the_gpu() -> None:
     assert kernel_ops(pdl=False) is KERNEL_OPS
     ops = kernel_ops(pdl=True)
-    for name in ("linear", "fused_add_rms_norm", "rope_and_cache_write", "attention_decode"):
+    for name in ("linear", "fused_add_rms_norm", "qkv_rope_and_cache_write", "attention_decode"):
         assert getattr(ops, name).keywords == {"pdl": True}
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, generator=generator)

@@ -1,6 +1,9 @@
 """rope_and_cache_write: the reference against apply_rope and a cache gather (CPU), the Triton
 kernel against the reference (interpreter on CPU, gpt-oss shapes on the GPU), with q/k/v as
-views of a poisoned fused qkv buffer, a poisoned output and cache, and skipped -1 slots."""
+views of a poisoned fused qkv buffer, a poisoned output and cache, and skipped -1 slots.
+qkv_rope_and_cache_write: its reference against the projection then the above, the fused
+q/k/v GEMV kernel against the reference (interpreter, gpt-oss shapes on the GPU) and the op
+against the unfused kernels on the GPU."""
 
 from __future__ import annotations
 
@@ -12,11 +15,15 @@ import torch
 from compare import assert_close, poisoned
 
 from gptoss_serve.config import RopeConfig
+from gptoss_serve.kernels.linear import linear
 from gptoss_serve.kernels.rope import (
     apply_rope,
+    qkv_rope_and_cache_write,
+    qkv_rope_and_cache_write_reference,
     rope_and_cache_write,
     rope_and_cache_write_reference,
     rope_cos_sin,
+    rope_cos_sin_table,
 )
 from gptoss_serve.model.rope import yarn_inv_freq
 
@@ -153,3 +160,131 @@ def test_gpu_dispatch() -> None:
     )
     assert_close(actual, expected, **TOLERANCE[torch.bfloat16])
     assert torch.equal(cache.isnan(), expected_cache.isnan())
+
+
+def _qkv_case(shape: tuple[int, int, int, int, int], device: str):
+    """shape (T, A, KV, D, H) -> bf16 x [T, H], the q/k/v weight and bias, and the rest of
+    ``_case`` (positions, inv_freq, NaN cache, slots with -1s)."""
+    tokens, heads, kv_heads, head_dim, hidden = shape
+    generator = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**31, ())))
+    rows = (heads + 2 * kv_heads) * head_dim
+
+    def normal(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator, device=device).to(torch.bfloat16)
+
+    x, weight, bias = normal(tokens, hidden), normal(rows, hidden) * hidden**-0.5, normal(rows)
+    _, _, _, positions, inv_freq, cache, slots = _case(
+        (tokens, heads, kv_heads, head_dim), torch.bfloat16, device
+    )
+    return x, weight, bias, positions, inv_freq, cache, slots
+
+
+def _check_fused(shape: tuple[int, int, int, int, int], device: str, tolerance: dict) -> None:
+    """The fused q/k/v GEMV + RoPE + cache write against the reference composite, into a
+    poisoned q view and cache."""
+    qkv_rope_triton = pytest.importorskip("gptoss_serve.kernels._qkv_rope").qkv_rope_triton
+    from gptoss_serve.kernels.linear import GemvTiles  # noqa: PLC0415
+
+    tokens, heads, kv_heads, head_dim, _ = shape
+    x, weight, bias, positions, inv_freq, cache, slots = _qkv_case(shape, device)
+    scaling = GPT_OSS_ROPE.attention_scaling
+    table = rope_cos_sin_table(131072, inv_freq, scaling)
+    expected_cache = cache.clone()
+    expected = qkv_rope_and_cache_write_reference(
+        x, weight, bias, positions, inv_freq, scaling, expected_cache[:, 0],
+        expected_cache[:, 1], slots, num_heads=heads, num_kv_heads=kv_heads,
+    )  # fmt: skip
+    out_buffer = poisoned((tokens, heads, head_dim + 3), torch.bfloat16, device)
+    out = out_buffer[..., :head_dim]
+    for rows in (4, 2):  # 2 NeoX pairs a program (the GPU's tile), then 1
+        actual = qkv_rope_triton(
+            x, weight, bias, positions, table, cache[:, 0], cache[:, 1], slots,
+            num_heads=heads, num_kv_heads=kv_heads, tiles=GemvTiles(rows, 4), out=out,
+        )  # fmt: skip
+        assert actual is out and out_buffer[..., head_dim:].isnan().all()
+        assert_close(actual, expected, **tolerance)
+        assert torch.equal(cache.isnan(), expected_cache.isnan())
+        written = slots[slots >= 0]
+        for kv in (0, 1):
+            assert_close(_written(cache, written, kv), _written(expected_cache, written, kv),
+                         **tolerance)  # fmt: skip
+
+
+def test_qkv_reference_is_projection_then_rope() -> None:
+    shape = (5, 4, 2, 16, 48)
+    x, weight, bias, positions, inv_freq, cache, slots = _qkv_case(shape, "cpu")
+    x, weight, bias = x.float(), weight.float(), bias.float()
+    cache = cache.float()
+    expected_cache = cache.clone()
+    q = qkv_rope_and_cache_write_reference(
+        x, weight, bias, positions, inv_freq, 1.3, cache[:, 0], cache[:, 1], slots,
+        num_heads=4, num_kv_heads=2,
+    )  # fmt: skip
+    qkv = x @ weight.T + bias
+    expected = rope_and_cache_write_reference(
+        qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16), qkv[:, 96:].view(5, 2, 16),
+        positions, inv_freq, 1.3, expected_cache[:, 0], expected_cache[:, 1], slots,
+    )  # fmt: skip
+    assert_close(q, expected, max_rel=1e-6, rms_rel=1e-7)
+    assert torch.equal(cache.isnan(), expected_cache.isnan())
+    # The CPU dispatch is the reference; a weight of the wrong height is refused.
+    again = qkv_rope_and_cache_write(
+        x, weight, bias, positions, inv_freq, 1.3, cache[:, 0], cache[:, 1], slots,
+        num_heads=4, num_kv_heads=2,
+    )  # fmt: skip
+    assert torch.equal(again, q)
+    with pytest.raises(ValueError, match="rows"):
+        qkv_rope_and_cache_write(
+            x, weight[:-16], bias[:-16], positions, inv_freq, 1.3, cache[:, 0], cache[:, 1],
+            slots, num_heads=4, num_kv_heads=2,
+        )  # fmt: skip
+
+
+@interpreter
+@pytest.mark.parametrize("shape", [(3, 5, 3, 12, 40), (1, 4, 2, 16, 64), (8, 3, 1, 8, 24)])
+def test_fused_qkv_kernel_interpreted(shape: tuple[int, int, int, int, int]) -> None:
+    _check_fused(shape, "cpu", INTERPRETER_BF16)
+
+
+@pytest.mark.gpu
+@not_interpreted
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_fused_qkv_kernel_gpu(tokens: int) -> None:
+    _check_fused((tokens, 64, 8, 64, 2880), "cuda", TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@not_interpreted
+@pytest.mark.parametrize("tokens", [1, 8, 9])
+def test_fused_qkv_dispatch_gpu(tokens: int) -> None:
+    """The op (fused GEMV up to 8 tokens, linear + rope kernel beyond) against the unfused
+    kernels: the same bf16 q/k/v values, so the same outputs up to an output rounding."""
+    x, weight, bias, positions, inv_freq, cache, slots = _qkv_case((tokens, 64, 8, 64, 2880),
+                                                                   "cuda")  # fmt: skip
+    scaling = GPT_OSS_ROPE.attention_scaling
+    unfused_cache = cache.clone()
+    q = qkv_rope_and_cache_write(
+        x, weight, bias, positions, inv_freq, scaling, cache[:, 0], cache[:, 1], slots,
+        num_heads=64, num_kv_heads=8, cos_sin=rope_cos_sin_table(131072, inv_freq, scaling),
+        pdl=True,
+    )  # fmt: skip
+    qkv = linear(x, weight, bias)
+    unfused = rope_and_cache_write(
+        qkv[:, :4096].view(tokens, 64, 64), qkv[:, 4096:4608].view(tokens, 8, 64),
+        qkv[:, 4608:].view(tokens, 8, 64), positions, inv_freq, scaling,
+        unfused_cache[:, 0], unfused_cache[:, 1], slots,
+    )  # fmt: skip
+    # Bit for bit on the H200 (bench/RESULTS.md v8); the gate allows an output rounding.
+    assert_close(q, unfused, **TOLERANCE[torch.bfloat16])
+    assert torch.equal(cache.isnan(), unfused_cache.isnan())
+    written = cache.isfinite()
+    assert_close(cache[written], unfused_cache[written], **TOLERANCE[torch.bfloat16])
+
+
+def test_cos_sin_table_rows_are_rope_cos_sin() -> None:
+    inv_freq = yarn_inv_freq(64, GPT_OSS_ROPE)
+    table = rope_cos_sin_table(4096, inv_freq, 1.3)
+    positions = torch.tensor([0, 1, 777, 4095])
+    cos, sin = rope_cos_sin(positions, inv_freq, 1.3)
+    assert table.shape == (4096, 64) and table.dtype == torch.float32
+    assert torch.equal(table[positions], torch.cat((cos, sin), dim=1))

@@ -65,21 +65,22 @@ def _attention(  # noqa: PLR0917 (one layer's inputs)
         config.head_dim,
     )
     num_tokens = x.shape[0]
-    qkv = ops.linear(x, attn.qkv_weight, attn.qkv_bias)  # [T, Q + 2K]
-    q, k, v = qkv.split([config.q_dim, config.kv_dim, config.kv_dim], dim=-1)
     group = kv.groups[index]
     k_cache, v_cache = kv.key[index], kv.value[index]
-    q = ops.rope_and_cache_write(
-        q.view(num_tokens, heads, head_dim),
-        k.view(num_tokens, kv_heads, head_dim),
-        v.view(num_tokens, kv_heads, head_dim),
+    q = ops.qkv_rope_and_cache_write(
+        x,
+        attn.qkv_weight,
+        attn.qkv_bias,
         metadata.positions,
         weights.inv_freq,
         config.rope.attention_scaling,
         k_cache,
         v_cache,
         metadata.slot_mapping[group],
-    )
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        cos_sin=weights.rope_cos_sin,
+    )  # [T, A, D], this step's K/V in the cache
     window = config.sliding_window if config.is_sliding(index) else None
     scale = head_dim**-0.5
     out = torch.empty_like(q)  # [T, A, D]

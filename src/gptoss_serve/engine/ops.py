@@ -21,7 +21,7 @@ class Ops:
     name: str
     linear: Callable
     fused_add_rms_norm: Callable
-    rope_and_cache_write: Callable
+    qkv_rope_and_cache_write: Callable
     attention_decode: Callable
     attention_prefill: Callable
     moe: Callable
@@ -32,8 +32,8 @@ class Ops:
 
 @functools.cache
 def kernel_ops(*, pdl: bool) -> Ops:
-    """The kernels; ``pdl``: the norms, GEMVs, RoPE, decode attention and the MoE's decode
-    path as programmatic dependent launches (kernels/launch.py; bench/pdl_step.py: the 120b
+    """The kernels; ``pdl``: the norms, GEMVs (q/k/v with RoPE), decode attention and the MoE's
+    decode path as programmatic dependent launches (kernels/launch.py; bench/pdl_step.py: the 120b
     batch-1 step 2.76 -> 2.59 ms on the H200, batch 64 unchanged, batch 8 2% slower)."""
 
     def launched(op: Callable) -> Callable:
@@ -43,7 +43,7 @@ def kernel_ops(*, pdl: bool) -> Ops:
         name="kernels",
         linear=launched(linear.linear),
         fused_add_rms_norm=launched(norm.fused_add_rms_norm),
-        rope_and_cache_write=launched(rope.rope_and_cache_write),
+        qkv_rope_and_cache_write=launched(rope.qkv_rope_and_cache_write),
         attention_decode=launched(attention.paged_attention_decode),
         attention_prefill=attention.paged_attention_prefill,
         moe=launched(moe.mxfp4_moe),
@@ -58,7 +58,7 @@ REFERENCE_OPS = Ops(
     name="reference",
     linear=linear.linear_reference,
     fused_add_rms_norm=norm.fused_add_rms_norm_reference,
-    rope_and_cache_write=rope.rope_and_cache_write_reference,
+    qkv_rope_and_cache_write=rope.qkv_rope_and_cache_write_reference,
     attention_decode=attention.paged_attention_decode_reference,
     attention_prefill=attention.paged_attention_prefill_reference,
     moe=moe.mxfp4_moe_reference,

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from gptoss_serve.checkpoint import expected_tensors, read_checkpoint, validate_checkpoint
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels.moe import MoeWeights
+from gptoss_serve.kernels.rope import rope_cos_sin_table
 from gptoss_serve.model.rope import yarn_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class ModelWeights:
     lm_head: torch.Tensor  # [V, H]
     inv_freq: torch.Tensor  # [head_dim / 2] float32, YaRN
     dtype: torch.dtype  # of every non-expert tensor
+    # [max_position_embeddings, head_dim] float32 cos | sin of every position, for the fused
+    # q/k/v + RoPE kernel (kernels/rope.py); on CUDA only (None: the unfused path).
+    rope_cos_sin: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -178,14 +182,22 @@ class WeightsBuilder:
         if missing:
             raise ValueError(f"incomplete weights: no {', '.join(missing)}")
         embedding = self._globals[_GLOBAL["embedding"]]
+        config = self.config
+        inv_freq = yarn_inv_freq(config.head_dim, config.rope).to(embedding.device)
+        cos_sin = None
+        if embedding.device.type == "cuda":  # 33.5 MB at 131072 positions
+            cos_sin = rope_cos_sin_table(
+                config.max_position_embeddings, inv_freq, config.rope.attention_scaling
+            )
         return ModelWeights(
             config=self.config,
             embedding=embedding,
             layers=tuple(self._layers[layer] for layer in range(self.config.num_hidden_layers)),
             final_norm=self._globals[_GLOBAL["final_norm"]],
             lm_head=self._globals[_GLOBAL["lm_head"]],
-            inv_freq=yarn_inv_freq(self.config.head_dim, self.config.rope).to(embedding.device),
+            inv_freq=inv_freq,
             dtype=self.dtype,
+            rope_cos_sin=cos_sin,
         )
 
 

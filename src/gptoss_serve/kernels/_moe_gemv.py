@@ -213,12 +213,14 @@ def _gemv_step(
     acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
+    STEP_BYTES: tl.constexpr = 64,
 ):  # fmt: skip
-    """One 128-column step; returns (acc, the next step's scales). SCALE_WORDS:
+    """One 128-column step; returns (acc, the next step's scales). STEP_BYTES: distance of a
+    row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows). SCALE_WORDS:
     ``scale_rows`` are the scales' aligned 32-bit words and ``scale_shift`` the byte's bit
     offset in them (``_scale_words``), and this step's scale is read here, by a plain load
     the loop's pipeline issues stages ahead."""
-    word_ptrs = (block_rows + step * (BLOCK_K // 2)).to(tl.pointer_type(tl.int32))
+    word_ptrs = (block_rows + step * STEP_BYTES).to(tl.pointer_type(tl.int32))
     word_ptrs = word_ptrs[:, None] + tl.arange(0, 4)[None, :]
     if MASK_K:
         words = tl.load(word_ptrs, mask=(4 * step + t < row_groups)[:, None], other=0)
@@ -250,6 +252,7 @@ def _mxfp4_gemv(
     BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
+    STEP_BYTES: tl.constexpr = 64,
 ):  # fmt: skip
     """acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns.
 
@@ -283,7 +286,7 @@ def _mxfp4_gemv(
             acc, scale = _gemv_step(
                 acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
                 col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS,
-                scale_shift,
+                scale_shift, STEP_BYTES,
             )  # fmt: skip
     return acc
 

@@ -53,7 +53,7 @@ def linear(
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
     out_dtype = out_dtype or x.dtype
-    if x.is_cuda and _gemv_applies(x, weight, out_dtype):
+    if x.is_cuda and gemv_applies(x, weight, out_dtype):
         # Imported here: CPU installs may have no triton at all.
         from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415
 
@@ -62,7 +62,8 @@ def linear(
     return linear_reference(x, weight, bias, out_dtype=out_dtype)
 
 
-def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether ``linear`` runs the Triton GEMV for these operands (on CUDA)."""
     return (
         x.dim() == 2
         and x.shape[0] <= GEMV_MAX_TOKENS

@@ -3,13 +3,23 @@
 ``rope_and_cache_write`` is the attention prologue in one pass: rotate q and k, and store the
 rotated k and the plain v into the paged KV cache. On CUDA a Triton kernel (``_rope.py``),
 elsewhere its torch reference.
+
+``qkv_rope_and_cache_write`` is the whole prologue from the normed hidden state: the q/k/v
+projection, then the same rotation and cache write. Where the projection is the decode GEMV
+(``QKV_ROPE_MAX_TOKENS`` tokens or fewer, bf16 on CUDA, with a cos/sin table from
+``rope_cos_sin_table``) both run in one Triton kernel (``_qkv_rope.py``: one launch a layer
+less); otherwise it is ``linear`` then ``rope_and_cache_write``, which is also the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
+from gptoss_serve.kernels import linear
 from gptoss_serve.kernels.launch import pdl_applies
+
+# Decode steps of up to this many tokens run the fused q/k/v + RoPE kernel (bench/RESULTS.md v8).
+QKV_ROPE_MAX_TOKENS = linear.GEMV_MAX_TOKENS
 
 
 def rope_cos_sin(
@@ -18,6 +28,13 @@ def rope_cos_sin(
     """positions [T] -> cos, sin [T, head_dim/2] in float32, scaled by YaRN's concentration."""
     angles = positions.float()[:, None] * inv_freq.float()[None, :]
     return angles.cos() * scaling, angles.sin() * scaling
+
+
+def rope_cos_sin_table(num_positions: int, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[num_positions, head_dim] float32: cos | sin (``rope_cos_sin``) of positions 0, 1, ...,
+    made once at load for the fused q/k/v kernel."""
+    positions = torch.arange(num_positions, device=inv_freq.device)
+    return torch.cat(rope_cos_sin(positions, inv_freq, scaling), dim=1).contiguous()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,3 +109,91 @@ def rope_and_cache_write_reference(  # noqa: PLR0917 (the op's signature)
     k_cache[blocks, offsets] = apply_rope(k, cos, sin)[written].to(k_cache.dtype)
     v_cache[blocks, offsets] = v[written].to(v_cache.dtype)
     return apply_rope(q, cos, sin)
+
+
+def qkv_rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tensor)
+    x: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_sin: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """x [T, H] (normed), qkv_weight [(A + 2 KV)·D, H], qkv_bias [(A + 2 KV)·D] -> the rotated
+    q [T, A, D]; the rotated k and the plain v go to the caches as in ``rope_and_cache_write``
+    (D is the caches' last dimension). ``cos_sin``: ``rope_cos_sin_table`` of these
+    ``inv_freq`` and ``scaling`` over every position the caller may pass; the fused kernel
+    needs it (without it: the projection, then ``rope_and_cache_write``)."""
+    head_dim = k_cache.shape[-1]
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv_weight.shape[0] != rows or qkv_bias.shape != (rows,):
+        raise ValueError(
+            f"qkv weight {tuple(qkv_weight.shape)} / bias {tuple(qkv_bias.shape)} do not have "
+            f"(A + 2 KV) * D = {rows} rows"
+        )
+    if (
+        cos_sin is not None
+        and x.is_cuda
+        and x.shape[0] <= QKV_ROPE_MAX_TOKENS
+        and linear.gemv_applies(x, qkv_weight, x.dtype)
+    ):
+        # Imported here: CPU installs may have no triton at all.
+        from gptoss_serve.kernels._qkv_rope import qkv_rope_triton  # noqa: PLC0415
+
+        return qkv_rope_triton(
+            x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping,
+            num_heads=num_heads, num_kv_heads=num_kv_heads,
+            tiles=linear.gemv_tiles_for(*qkv_weight.shape), pdl=pdl_applies(pdl, x),
+        )  # fmt: skip
+    qkv = linear.linear(x, qkv_weight, qkv_bias, pdl=pdl)
+    return rope_and_cache_write(
+        *_split_heads(qkv, num_heads, num_kv_heads, head_dim), positions, inv_freq, scaling,
+        k_cache, v_cache, slot_mapping, pdl=pdl,
+    )  # fmt: skip
+
+
+def qkv_rope_and_cache_write_reference(  # noqa: PLR0917 (the op's signature)
+    x: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain torch: the projection, then ``rope_and_cache_write_reference`` (``cos_sin`` is
+    not needed: the reference computes the same values)."""
+    del cos_sin
+    qkv = linear.linear_reference(x, qkv_weight, qkv_bias)
+    q, k, v = _split_heads(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
+    return rope_and_cache_write_reference(
+        q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slot_mapping
+    )
+
+
+def _split_heads(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (A + 2 KV)·D] -> views q [T, A, D], k and v [T, KV, D]."""
+    num_tokens = qkv.shape[0]
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+    return (
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+    )

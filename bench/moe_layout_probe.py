@@ -1,0 +1,107 @@
+"""Does the batch-1 MoE GEMV lose bandwidth to the checkpoint's row-major layout? (H200)
+
+The decode GEMV (_moe_gemv._mxfp4_gemv) reads, per 128-column step, 64 bytes of each of its
+tile's rows: rows are 1,440 bytes apart, so HBM sees 64-byte pieces scattered over the tile.
+This probe runs the same GEMV (same decode, same cp.async pipeline) over the same number of
+random bytes with the rows stored in blocks of LB rows, step-major inside a block (row r of
+block b, step s at b·LB·K + s·LB·64 + r·64): LB = 1 is the checkpoint's layout, LB = 16 makes
+each step of 16 rows one contiguous 1 KiB. 36 layers of gate_up-sized weights (4 experts x
+5,760 rows of 1,408 bytes: 22 whole steps), one launch per layer in a CUDA graph.
+
+    cd bench && python3 moe_layout_probe.py
+"""
+
+# Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
+# ruff: noqa: N803, N806, PLR0917
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from gptoss_serve.kernels._moe_gemv import _mxfp4_gemv, _tile_slots
+from kernels import copy_tbps, graph_time_ms
+
+LAYERS = 36
+ROWS = 4 * 5760  # the 4 routed experts' gate_up rows at batch 1
+K_BYTES = 1408  # 22 whole 128-column steps per row
+# (rows per tile, K split, warps, stages, layout block rows)
+CONFIGS = [
+    (32, 2, 2, 4, 1), (32, 2, 2, 4, 16), (32, 2, 2, 4, 32),
+    (32, 1, 2, 4, 1), (32, 1, 2, 4, 16), (32, 1, 2, 4, 32),
+    (64, 2, 2, 4, 1), (64, 2, 2, 4, 16), (64, 2, 4, 4, 16), (64, 1, 4, 4, 16),
+    (32, 2, 2, 6, 16), (16, 1, 1, 4, 16), (16, 1, 1, 4, 1), (32, 2, 4, 4, 16),
+]  # fmt: skip
+
+
+@triton.jit
+def _probe_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
+                  SPLIT: tl.constexpr, STEPS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  LB: tl.constexpr, K_BYTES: tl.constexpr):  # fmt: skip
+    """out[rows of this tile] = the T = 1 GEMV of its rows, K split in SPLIT parts of STEPS."""
+    R: tl.constexpr = BN // SPLIT
+    G: tl.constexpr = K_BYTES // 16
+    n0 = tl.program_id(0) * R
+    rows, t = _tile_slots(BN)
+    part = rows // R
+    row = (n0 + rows % R).to(tl.int64)
+    first_step = part * STEPS
+    offset = (row // LB) * (LB * K_BYTES) + (row % LB) * 64 + first_step * (LB * 64) + 16 * t
+    scale_rows = scales_ptr + row * G + 4 * first_step + t
+    row_groups = tl.full([4 * BN], 4 * STEPS, tl.int32)
+    cols = tl.arange(0, 8)
+    col_ptrs = x_ptr + (cols % SPLIT) * (STEPS * 128)
+    acc = _mxfp4_gemv(
+        blocks_ptr + offset, scale_rows, row_groups, t, col_ptrs,
+        tl.full([8], 4 * STEPS, tl.int32), BN, STEPS, STEPS, 1, NUM_STAGES, True, False,
+        STEP_BYTES=LB * 64,
+    )  # fmt: skip
+    keep = (tl.arange(0, BN) // R)[:, None] == (cols % SPLIT)[None, :]
+    y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)
+    tl.store(out_ptr + n0 + tl.arange(0, R), y)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="also write the rows as JSON")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    # Random bytes (never zeros); scales near 127 so the sums stay finite.
+    blocks = torch.randint(0, 256, (LAYERS, ROWS * K_BYTES), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(120, 134, (LAYERS, ROWS * K_BYTES // 16), dtype=torch.uint8,
+                           device="cuda")  # fmt: skip
+    x = torch.randn(2 * K_BYTES, device="cuda").to(torch.bfloat16)
+    out = torch.empty(ROWS, device="cuda")
+    layer_bytes = ROWS * K_BYTES * 17 // 16
+    rows = [{"config": "copy (SM kernel)", "tbps": round(copy_tbps(), 3)}]
+    sys.stdout.write(f"{'rows split warps stages LB':<28} {'us/layer':>9} {'TB/s':>7}\n")
+    for bn, split, warps, stages, lb in CONFIGS:
+        steps = K_BYTES // 64 // split
+
+        def launch(bn=bn, split=split, warps=warps, stages=stages, lb=lb, steps=steps) -> None:
+            for layer in range(LAYERS):
+                _probe_kernel[(ROWS * split // bn,)](
+                    x, blocks[layer], scales[layer], out, BN=bn, SPLIT=split, STEPS=steps,
+                    NUM_STAGES=stages, LB=lb, K_BYTES=K_BYTES, num_warps=warps,
+                    num_stages=stages,
+                )  # fmt: skip
+
+        us = statistics.median(graph_time_ms(launch, calls=LAYERS, repeats=20)) * 1e3
+        tbps = layer_bytes / (us * 1e-6) / 1e12
+        name = f"{bn} {split} {warps} {stages} {lb}"
+        sys.stdout.write(f"{name:<28} {us:9.2f} {tbps:7.3f}\n")
+        rows.append({"config": name, "us": round(us, 2), "tbps": round(tbps, 3)})
+    sys.stdout.write(f"copy: {rows[0]['tbps']} TB/s\n")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Triton body of ``rope.qkv_rope_and_cache_write``: the q/k/v GEMV of a decode step with the
+RoPE and the paged K/V write in its epilogue, so the step has no separate RoPE launch.
+
+It is ``_linear._gemv_kernel`` (whole weight rows per program, all of their bytes in flight
+at once, the weights loaded before the PDL wait) with the rows dealt in NeoX pairs: a program
+owns BP pairs (d, d + D/2) of the q, k and v heads (qkv rows ``head·D + d`` and ``head·D + d
++ D/2``), which is what one rotation needs. It rounds the dot products to bf16 (the value
+the unfused GEMV stores), rotates q and k pairs in fp32 with the tokens' cos/sin read from a
+table made once at load (``rope.rope_cos_sin_table``: libdevice cos/sin in every program
+cost more than the launch saved), and stores q rows into the output, k and v rows into the
+cache at the token's slot (-1: no cache write). On the H200 its outputs were bit for bit
+those of ``linear`` followed by ``rope_and_cache_write`` (bench/RESULTS.md v8).
+"""
+
+# Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
+# ruff: noqa: N803, N806, PLR0917
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from gptoss_serve.kernels._moe_common import _to_bf16
+from gptoss_serve.kernels.linear import GemvTiles
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr, weight_ptr, bias_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, num_tokens, num_positions, stride_x,
+    stride_qo_token, stride_qo_head, stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head, block_size,
+    A: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, K: tl.constexpr,
+    K_PAD: tl.constexpr, T_PAD: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """BP NeoX pairs of the (A + 2·KV) heads' rows, every token m < num_tokens (≤ T_PAD)."""
+    NUM_PAIRS: tl.constexpr = (A + 2 * KV) * HALF
+    pairs = tl.program_id(0) * BP + tl.arange(0, BP)
+    pair_mask = pairs < NUM_PAIRS
+    pairs = tl.minimum(pairs, NUM_PAIRS - 1)  # the last program's extra pairs re-read real rows
+    head, d = pairs // HALF, pairs % HALF  # [BP]
+    # Tile row (j, s): row d (s = 0) or d + HALF (s = 1) of pair j's head.
+    rows = tl.reshape((head * 2 * HALF + d)[:, None] + HALF * tl.arange(0, 2)[None, :], [2 * BP])
+    ks = tl.arange(0, K_PAD)
+    bias = tl.load(bias_ptr + rows).to(tl.float32)  # issued first, as in _gemv_kernel
+    w = tl.load(weight_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+                mask=(ks < K)[None, :], other=0.0)  # fmt: skip
+    if PDL:
+        gdc_wait()  # x, positions and slots come from earlier kernels or uploads
+    # Every token's position, slot and cos/sin at once, so that their loads overlap the dot
+    # products instead of lengthening each token's epilogue.
+    tokens = tl.arange(0, T_PAD)
+    token_ok = tokens < num_tokens
+    position = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
+    position = tl.minimum(tl.maximum(position, 0), num_positions - 1).to(tl.int64)
+    angle_ptrs = cos_sin_ptr + position[:, None] * (2 * HALF) + d[None, :]  # [T_PAD, BP]
+    cos, sin = tl.load(angle_ptrs), tl.load(angle_ptrs + HALF)
+    slot = tl.load(slot_mapping_ptr + tokens, mask=token_ok, other=-1).to(tl.int64)
+    w = w.to(tl.float32)  # [2·BP, K_PAD], once for all tokens
+    y = tl.zeros([T_PAD, 2 * BP], tl.float32)
+    for m in tl.static_range(T_PAD):
+        x = tl.load(x_ptr + m * stride_x + ks, mask=(ks < K) & (m < num_tokens), other=0.0)
+        y_m = tl.sum(w * x.to(tl.float32)[None, :], axis=1) + bias  # [2·BP]
+        y = tl.where(tokens[:, None] == m, y_m[None, :], y)
+    y = _to_bf16(y, INTERPRET).to(tl.float32)  # what the unfused GEMV would have stored
+    first, second = tl.split(tl.reshape(y, [T_PAD, BP, 2]))  # [T_PAD, BP] each
+    rotated_first = first * cos - second * sin
+    rotated_second = second * cos + first * sin
+    # q rows to the output, k (rotated) and v rows to the cache at the token's slot (-1: a
+    # padded token of a CUDA-graph batch, nothing cached).
+    is_q = (pair_mask & (head < A))[None, :] & token_ok[:, None]
+    cached = (token_ok & (slot >= 0))[:, None]
+    is_k = (pair_mask & (head >= A) & (head < A + KV))[None, :] & cached
+    is_v = (pair_mask & (head >= A + KV))[None, :] & cached
+    q_ptrs = q_out_ptr + tokens[:, None] * stride_qo_token
+    q_ptrs += (tl.minimum(head, A - 1) * stride_qo_head + d)[None, :]
+    q_type = q_out_ptr.dtype.element_ty
+    tl.store(q_ptrs, rotated_first.to(q_type), mask=is_q)
+    tl.store(q_ptrs + HALF, rotated_second.to(q_type), mask=is_q)
+    block, offset = tl.maximum(slot, 0) // block_size, tl.maximum(slot, 0) % block_size
+    k_ptrs = k_cache_ptr + (block * stride_kc_block + offset * stride_kc_slot)[:, None]
+    k_ptrs += (tl.minimum(tl.maximum(head - A, 0), KV - 1) * stride_kc_head + d)[None, :]
+    k_type = k_cache_ptr.dtype.element_ty
+    tl.store(k_ptrs, rotated_first.to(k_type), mask=is_k)
+    tl.store(k_ptrs + HALF, rotated_second.to(k_type), mask=is_k)
+    v_ptrs = v_cache_ptr + (block * stride_vc_block + offset * stride_vc_slot)[:, None]
+    v_ptrs += (tl.minimum(tl.maximum(head - A - KV, 0), KV - 1) * stride_vc_head + d)[None, :]
+    v_type = v_cache_ptr.dtype.element_ty
+    tl.store(v_ptrs, first.to(v_type), mask=is_v)
+    tl.store(v_ptrs + HALF, second.to(v_type), mask=is_v)
+    if PDL:  # late: the next kernel's programs launched at this one's start slowed it (v8)
+        gdc_launch_dependents()
+
+
+def qkv_rope_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    tiles: GemvTiles,
+    out: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """Launches the kernel; contract of ``rope.qkv_rope_and_cache_write`` with its cos/sin
+    table ``cos_sin`` [P, D] float32 (``rope.rope_cos_sin_table``; positions are clamped to
+    it). ``out`` [T, A, D] (head_dim contiguous) receives q instead of a fresh tensor."""
+    num_tokens, k = x.shape
+    head_dim = k_cache.shape[-1]
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache must be contiguous in head_dim")
+    if tiles.rows % 2:
+        raise ValueError(f"the fused GEMV deals rows in pairs, got {tiles.rows} rows")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
+        raise ValueError(f"cos_sin must be [positions, {head_dim}] float32, got {cos_sin.shape}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q_out = out if out is not None else x.new_empty(num_tokens, num_heads, head_dim)
+    if q_out.stride(-1) != 1:
+        raise ValueError("the output must be contiguous along head_dim")
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    pairs_per_program = tiles.rows // 2
+    num_pairs = (num_heads + 2 * num_kv_heads) * half
+    _qkv_rope_kernel[(triton.cdiv(num_pairs, pairs_per_program),)](
+        x, weight.contiguous(), bias, positions, cos_sin.contiguous(), slot_mapping,
+        q_out, k_cache, v_cache, num_tokens, cos_sin.shape[0], x.stride(0),
+        q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
+        A=num_heads, KV=num_kv_heads, HALF=half, K=k, K_PAD=triton.next_power_of_2(k),
+        T_PAD=triton.next_power_of_2(num_tokens), BP=pairs_per_program, PDL=pdl,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=tiles.num_warps,
+        launch_pdl=pdl,
+    )  # fmt: skip
+    return q_out
