@@ -40,6 +40,32 @@ CONFIGS = [
 
 
 @triton.jit
+def _real_k_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
+                   SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr, STEPS: tl.constexpr,
+                   FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    """The same GEMV over checkpoint rows of K = 2880 (90 groups, 22.5 steps) cut as the
+    decode kernels cut them (_moe_small.split_plan): masked partial steps included."""
+    R: tl.constexpr = BN // SPLIT
+    n0 = tl.program_id(0) * R
+    rows, t = _tile_slots(BN)
+    part = rows // R
+    row = (n0 + rows % R).to(tl.int64)
+    first_group = part * SPLIT_GROUPS + t
+    row_groups = tl.minimum(90 - part * SPLIT_GROUPS, SPLIT_GROUPS)
+    cols = tl.arange(0, 8)
+    col_part = cols % SPLIT
+    acc = _mxfp4_gemv(
+        blocks_ptr + row * 1440 + 16 * first_group, scales_ptr + row * 90 + first_group,
+        row_groups, t, x_ptr + col_part * (32 * SPLIT_GROUPS),
+        tl.minimum(90 - col_part * SPLIT_GROUPS, SPLIT_GROUPS), BN, STEPS, FULL_STEPS, 1,
+        NUM_STAGES, True, False,
+    )  # fmt: skip
+    keep = (tl.arange(0, BN) // R)[:, None] == col_part[None, :]
+    y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)
+    tl.store(out_ptr + n0 + tl.arange(0, R), y)
+
+
+@triton.jit
 def _probe_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
                   SPLIT: tl.constexpr, STEPS: tl.constexpr, NUM_STAGES: tl.constexpr,
                   LB: tl.constexpr, K_BYTES: tl.constexpr):  # fmt: skip
@@ -64,6 +90,44 @@ def _probe_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
     keep = (tl.arange(0, BN) // R)[:, None] == (cols % SPLIT)[None, :]
     y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)
     tl.store(out_ptr + n0 + tl.arange(0, R), y)
+
+
+# K = 2880 cut as the kernels cut it: (weight rows, rows per tile, split, warps, stages);
+# 23,040 rows are the 4 experts' gate_up rows at batch 1, 11,520 their down rows.
+REAL_K_CONFIGS = [
+    (23040, 64, 2, 2, 4), (23040, 64, 2, 2, 3), (23040, 64, 4, 2, 4), (23040, 128, 2, 4, 4),
+    (23040, 128, 4, 4, 3), (11520, 64, 2, 2, 4), (11520, 64, 4, 2, 4), (11520, 32, 2, 2, 4),
+    (11520, 128, 4, 2, 4), (11520, 128, 4, 4, 3),
+]  # fmt: skip
+
+
+def real_k_rows(blocks, scales, x, out) -> list[dict]:
+    """Times REAL_K_CONFIGS over 36 layers (rows of 1,440 bytes)."""
+    from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
+
+    rows = []
+    sys.stdout.write(
+        f"\n{'K = 2880: rows tile split warps stages':<40} {'us/layer':>9} {'TB/s':>7}\n"
+    )
+    for num_rows, bn, split, warps, stages in REAL_K_CONFIGS:
+        plan = split_plan(2880, split)
+
+        def launch(num_rows=num_rows, bn=bn, split=split, warps=warps, stages=stages,
+                   plan=plan) -> None:  # fmt: skip
+            for layer in range(LAYERS):
+                _real_k_kernel[(num_rows * split // bn,)](
+                    x, blocks[layer], scales[layer], out, BN=bn, SPLIT=split,
+                    SPLIT_GROUPS=plan["SPLIT_GROUPS"], STEPS=plan["STEPS"],
+                    FULL_STEPS=plan["FULL_STEPS"], NUM_STAGES=stages, num_warps=warps,
+                    num_stages=stages,
+                )  # fmt: skip
+
+        us = statistics.median(graph_time_ms(launch, calls=LAYERS, repeats=20)) * 1e3
+        tbps = num_rows * 1440 * 17 / 16 / (us * 1e-6) / 1e12
+        name = f"{num_rows} {bn} {split} {warps} {stages}"
+        sys.stdout.write(f"{name:<40} {us:9.2f} {tbps:7.3f}\n")
+        rows.append({"config": "K=2880 " + name, "us": round(us, 2), "tbps": round(tbps, 3)})
+    return rows
 
 
 def main() -> int:
@@ -97,6 +161,7 @@ def main() -> int:
         sys.stdout.write(f"{name:<28} {us:9.2f} {tbps:7.3f}\n")
         rows.append({"config": name, "us": round(us, 2), "tbps": round(tbps, 3)})
     sys.stdout.write(f"copy: {rows[0]['tbps']} TB/s\n")
+    rows += real_k_rows(blocks, scales, x, out)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -145,15 +145,28 @@ _WGMMA_COLUMNS = dataclasses.replace(
 # By token count (first entry with T ≤ its bound), from bench/moe_profile.py on the H200 (v2,
 # d6597e1: its "best tiles" at T = 1, 4, 16). At T = 1 the K split gives the SMs enough warps
 # (gate_up 1440, down 1440 at 120b shapes, all resident at once); more tokens bring their own.
+# Since v8, 3 cp.async stages rather than 4 in the rows up to 128 tokens (except T = 8's 2):
+# a fourth stage's shared memory cost residency (moe_layout_probe.py: 6 stages pushed the grid
+# to two waves), and the whole 120b decode step (PDL, CUDA graph) at batch 1 / 4 / 16 / 32 /
+# 64 went 2.518 / 6.079 / 13.448 / 17.087 / 23.313 -> 2.475 / 5.941 / 13.069 / 16.845 /
+# 23.012 ms; 2 stages lose (batch 1 2.540, batch 64 24.604). At T = 1 gate_up also takes
+# 64-row parts on 4 warps (alone, routed: 19.56 -> 18.36 us); its own top-4 stays in gate_up
+# (the router's last program doing it: 2.822 ms a step).
+_DECODE_1 = DecodeTiles(
+    gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_warps=4, down_stages=3,
+    route_in_router=False,
+)  # fmt: skip
 DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
-    (1, DecodeTiles(down_warps=4, route_in_router=False)),
-    (4, DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4, route_in_router=False)),
+    (1, _DECODE_1),
+    (4, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
+                    down_stages=3, route_in_router=False)),
     # At T = 8, gate_up asks for two 128-column steps of a row at once (unroll 2, 2 stages):
     # 115 -> 101 us; down with 8 rows and 2 warps 65.5 -> 60.9 us; the layer 187.8 -> 172.7
     # us (bench/moe_profile.py, H200). At 16-64 tokens the same tiles were within noise or
     # slower (T = 32: 609 -> 624 us), so the old ones stay there.
     (8, DecodeTiles(gate_up_rows=64, gate_up_stages=2, gate_up_unroll=2, down_warps=2)),
-    (16, DecodeTiles(gate_up_rows=64, down_rows=16, down_warps=4)),
+    (16, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
+                     down_stages=3)),
     # From 17 tokens the pairs share experts enough to group them (_moe_columns.py): gate_up +
     # down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us; at 16 they tie, at 8 the
     # per-pair kernels win (bench/RESULTS.md v5, H200). 64-row tiles for both (2 warps, 4
@@ -163,7 +176,9 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # and the scales as words (H200, moe_prefill_columns.py --small, us per layer): 24 / 32 /
     # 48 / 64 / 96 / 128 tokens 372 / 435 / 522 / 560 / 632 / 660 -> 353 / 425 / 502 / 548 /
     # 606 / 627 (2-5%; the words alone, in thread order, lose 2-9%).
-    (128, dataclasses.replace(_COLUMNS, tile_order=True, scale_words=True)),
+    (128, dataclasses.replace(
+        _COLUMNS, tile_order=True, scale_words=True, gate_up_stages=3, down_stages=3
+    )),
     # Past 128 tokens, wgmma: 128-row tiles of 4 warps in the wgmma tile order
     # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are),
     # each step's scales through the cp.async pipeline (scale_words). H200, one layer, us
