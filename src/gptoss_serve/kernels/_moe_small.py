@@ -145,7 +145,7 @@ _WGMMA_COLUMNS = dataclasses.replace(
 # By token count (first entry with T ≤ its bound), from bench/moe_profile.py on the H200 (v2,
 # d6597e1: its "best tiles" at T = 1, 4, 16). At T = 1 the K split gives the SMs enough warps
 # (gate_up 1440, down 1440 at 120b shapes, all resident at once); more tokens bring their own.
-# Since v8, 3 cp.async stages rather than 4 in the rows up to 128 tokens (except T = 8's 2):
+# Since v8, 3 cp.async stages rather than 4 in the rows up to 128 tokens (T = 8: down only):
 # a fourth stage's shared memory cost residency (moe_layout_probe.py: 6 stages pushed the grid
 # to two waves), and the whole 120b decode step (PDL, CUDA graph) at batch 1 / 4 / 16 / 32 /
 # 64 went 2.518 / 6.079 / 13.448 / 17.087 / 23.313 -> 2.475 / 5.941 / 13.069 / 16.845 /
@@ -163,8 +163,11 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # At T = 8, gate_up asks for two 128-column steps of a row at once (unroll 2, 2 stages):
     # 115 -> 101 us; down with 8 rows and 2 warps 65.5 -> 60.9 us; the layer 187.8 -> 172.7
     # us (bench/moe_profile.py, H200). At 16-64 tokens the same tiles were within noise or
-    # slower (T = 32: 609 -> 624 us), so the old ones stay there.
-    (8, DecodeTiles(gate_up_rows=64, gate_up_stages=2, gate_up_unroll=2, down_warps=2)),
+    # slower (T = 32: 609 -> 624 us), so the old ones stay there. Down on 3 stages since v8:
+    # the whole step at batch 6 / 8 8.501 / 9.847 -> 8.387 / 9.700 ms (gate_up on 3 stages
+    # and unroll 1 lost: 8.697 / 10.058).
+    (8, DecodeTiles(gate_up_rows=64, gate_up_stages=2, gate_up_unroll=2, down_warps=2,
+                    down_stages=3)),
     (16, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
                      down_stages=3)),
     # From 17 tokens the pairs share experts enough to group them (_moe_columns.py): gate_up +
