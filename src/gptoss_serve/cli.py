@@ -167,8 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     bench.add_argument("--decode-tokens", type=_positive_int, default=256,
                        help="tokens decoded per sequence in the decode figures")  # fmt: skip
-    bench.add_argument("--throughput-seqs", type=_positive_int, default=256,
-                       help="sequences of the max-throughput figure (1k in / 1k out)")  # fmt: skip
+    bench.add_argument("--throughput-seqs", type=_positive_int, default=1024,
+                       help="most sequences of the max-throughput figure (1k in / 1k out): as "
+                       "many as the KV cache holds at 2k tokens each, up to this (default: the "
+                       "largest CUDA-graph batch, 1024)")  # fmt: skip
     bench.add_argument("--skip-fit-check", action="store_true",
                        help="skip the 128k-context-in-80-GB check (a second process)")  # fmt: skip
     bench.add_argument("--fit-check-only", action="store_true", help=argparse.SUPPRESS)

@@ -56,6 +56,7 @@ def run_engine_bench(
         figures.append(eb.Figure(f"prefill_{length}_tok_s", value, prefill_ceiling, "tok/s"))
     ttft = eb.ttft_ms(make_core, model, 1024)
     figures.append(eb.Figure("ttft_1k_ms", ttft, None, "ms"))
+    # As many sequences as fit (each holds 2k tokens at its end), up to ``throughput_seqs``.
     seqs = min(throughput_seqs, plan.max_num_tokens // 2048)
     value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=1024)
     ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536)
