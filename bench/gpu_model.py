@@ -17,7 +17,7 @@ from gptoss_serve.kernels.attention import paged_attention_decode
 from gptoss_serve.kernels.linear import linear, linear_reference
 from gptoss_serve.kernels.moe import MoeWeights, mxfp4_moe
 from gptoss_serve.kernels.norm import fused_add_rms_norm
-from gptoss_serve.kernels.rope import qkv_rope_and_cache_write, rope_and_cache_write
+from gptoss_serve.kernels.rope import qkv_rope_and_cache_write, rope_and_cache_write, split_qkv
 from gptoss_serve.kernels.sampling import sample_tokens
 
 
@@ -129,12 +129,8 @@ class DecodeStep:
                 num_kv_heads=kv, cos_sin=weights.rope_cos_sin, pdl=self.pdl,
             )  # fmt: skip
         qkv = self.dense(normed, attn.qkv_weight, attn.qkv_bias, **dense_pdl)
-        q, k, v = qkv.split([config.q_dim, config.kv_dim, config.kv_dim], dim=-1)
-        batch = q.shape[0]
         return rope_and_cache_write(
-            q.view(batch, a, d),
-            k.view(batch, kv, d),
-            v.view(batch, kv, d),
+            *split_qkv(qkv, a, kv, d),
             *rope_args,
             pdl=self.pdl,
         )

@@ -190,9 +190,9 @@ class WeightsBuilder:
                 config.max_position_embeddings, inv_freq, config.rope.attention_scaling
             )
         return ModelWeights(
-            config=self.config,
+            config=config,
             embedding=embedding,
-            layers=tuple(self._layers[layer] for layer in range(self.config.num_hidden_layers)),
+            layers=tuple(self._layers[layer] for layer in range(config.num_hidden_layers)),
             final_norm=self._globals[_GLOBAL["final_norm"]],
             lm_head=self._globals[_GLOBAL["lm_head"]],
             inv_freq=inv_freq,

@@ -152,12 +152,9 @@ _WGMMA_COLUMNS = dataclasses.replace(
 # 23.012 ms; 2 stages lose (batch 1 2.540, batch 64 24.604). At T = 1 gate_up also takes
 # 64-row parts on 4 warps (alone, routed: 19.56 -> 18.36 us); its own top-4 stays in gate_up
 # (the router's last program doing it: 2.822 ms a step).
-_DECODE_1 = DecodeTiles(
-    gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_warps=4, down_stages=3,
-    route_in_router=False,
-)  # fmt: skip
 DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
-    (1, _DECODE_1),
+    (1, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_warps=4,
+                    down_stages=3, route_in_router=False)),
     (4, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
                     down_stages=3, route_in_router=False)),
     # At T = 8, gate_up asks for two 128-column steps of a row at once (unroll 2, 2 stages):

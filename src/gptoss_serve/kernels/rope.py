@@ -6,7 +6,7 @@ elsewhere its torch reference.
 
 ``qkv_rope_and_cache_write`` is the whole prologue from the normed hidden state: the q/k/v
 projection, then the same rotation and cache write. Where the projection is the decode GEMV
-(``QKV_ROPE_MAX_TOKENS`` tokens or fewer, bf16 on CUDA, with a cos/sin table from
+(``linear.GEMV_MAX_TOKENS`` tokens or fewer, bf16 on CUDA, with a cos/sin table from
 ``rope_cos_sin_table``) both run in one Triton kernel (``_qkv_rope.py``: one launch a layer
 less); otherwise it is ``linear`` then ``rope_and_cache_write``, which is also the reference.
 """
@@ -17,9 +17,6 @@ import torch
 
 from gptoss_serve.kernels import linear
 from gptoss_serve.kernels.launch import pdl_applies
-
-# Decode steps of up to this many tokens run the fused q/k/v + RoPE kernel (bench/RESULTS.md v8).
-QKV_ROPE_MAX_TOKENS = linear.GEMV_MAX_TOKENS
 
 
 def rope_cos_sin(
@@ -139,12 +136,8 @@ def qkv_rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tens
             f"qkv weight {tuple(qkv_weight.shape)} / bias {tuple(qkv_bias.shape)} do not have "
             f"(A + 2 KV) * D = {rows} rows"
         )
-    if (
-        cos_sin is not None
-        and x.is_cuda
-        and x.shape[0] <= QKV_ROPE_MAX_TOKENS
-        and linear.gemv_applies(x, qkv_weight, x.dtype)
-    ):
+    # The fused kernel is the decode GEMV with a RoPE epilogue: it runs where the GEMV would.
+    if cos_sin is not None and x.is_cuda and linear.gemv_applies(x, qkv_weight, x.dtype):
         # Imported here: CPU installs may have no triton at all.
         from gptoss_serve.kernels._qkv_rope import qkv_rope_triton  # noqa: PLC0415
 
@@ -155,7 +148,7 @@ def qkv_rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tens
         )  # fmt: skip
     qkv = linear.linear(x, qkv_weight, qkv_bias, pdl=pdl)
     return rope_and_cache_write(
-        *_split_heads(qkv, num_heads, num_kv_heads, head_dim), positions, inv_freq, scaling,
+        *split_qkv(qkv, num_heads, num_kv_heads, head_dim), positions, inv_freq, scaling,
         k_cache, v_cache, slot_mapping, pdl=pdl,
     )  # fmt: skip
 
@@ -179,13 +172,13 @@ def qkv_rope_and_cache_write_reference(  # noqa: PLR0917 (the op's signature)
     not needed: the reference computes the same values)."""
     del cos_sin
     qkv = linear.linear_reference(x, qkv_weight, qkv_bias)
-    q, k, v = _split_heads(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
     return rope_and_cache_write_reference(
         q, k, v, positions, inv_freq, scaling, k_cache, v_cache, slot_mapping
     )
 
 
-def _split_heads(
+def split_qkv(
     qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (A + 2 KV)·D] -> views q [T, A, D], k and v [T, KV, D]."""
