@@ -109,9 +109,13 @@ def bench_moe(config: ModelConfig, results: dict, rows: list, ceilings: dict) ->
         rows.append((f"MoE prefill, {tokens} tok", tflops, "TFLOP/s", ceilings["matmul"]))
 
 
-def attention_decode_tbps(config: ModelConfig, batch: int, context: int) -> float:
+def attention_decode_tbps(
+    config: ModelConfig, batch: int, context: int, *, pdl: bool = False
+) -> float:
     """Paged decode attention of ``batch`` sequences of ``context`` keys (random cache, pages in
-    random order, 8 calls per replay): KV bytes read / median time, in TB/s."""
+    random order, 8 calls per replay): KV bytes read / median time, in TB/s. ``pdl``: launched
+    as programmatic dependent launches, as the engine launches them (each call's split-merge
+    kernel then waits beside the attention kernel instead of after a launch gap)."""
     a, kv, d, block = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 16
     blocks_per_seq = -(-context // block)
     shape = (batch * blocks_per_seq, block, kv, d)
@@ -123,7 +127,7 @@ def attention_decode_tbps(config: ModelConfig, batch: int, context: int) -> floa
     times = graph_time_ms(
         lambda: [
             paged_attention_decode(
-                q, k_cache, v_cache, tables, seq_lens, sinks, window=None, scale=d**-0.5
+                q, k_cache, v_cache, tables, seq_lens, sinks, window=None, scale=d**-0.5, pdl=pdl
             )
             for q in queries
         ],
@@ -134,12 +138,15 @@ def attention_decode_tbps(config: ModelConfig, batch: int, context: int) -> floa
 
 def bench_attention(config: ModelConfig, results: dict, rows: list, ceilings: dict,
                     contexts: tuple[int, ...]) -> None:  # fmt: skip
-    for batch in (1, 32):
-        for context in contexts:
-            tbps = attention_decode_tbps(config, batch, context)
-            label = f"{context // 1024}k" if context >= 1024 else str(context)
-            results[f"attn_decode_bs{batch}_{label}_tbps"] = round(tbps, 3)
-            rows.append((f"decode attention bs{batch}, {label}", tbps, "TB/s", ceilings["copy"]))
+    for pdl in (False, True):  # plain launches; as the engine launches them
+        suffix = "_pdl" if pdl else ""
+        for batch in (1, 32):
+            for context in contexts:
+                tbps = attention_decode_tbps(config, batch, context, pdl=pdl)
+                label = f"{context // 1024}k" if context >= 1024 else str(context)
+                results[f"attn_decode_bs{batch}_{label}{suffix}_tbps"] = round(tbps, 3)
+                name = f"decode attention bs{batch}, {label}{', PDL' if pdl else ''}"
+                rows.append((name, tbps, "TB/s", ceilings["copy"]))
 
 
 def bench_decode_step(config: ModelConfig, results: dict, rows: list) -> None:

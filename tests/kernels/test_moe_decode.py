@@ -270,6 +270,40 @@ def test_interpreter_decode_matches_reference(num_tokens: int, variant: int) -> 
     assert_close(out, expected, max_rel=MAX_REL, rms_rel=RMS_REL)
 
 
+def check_topk(device: str) -> None:
+    """The top-k against a stable descending sort (exact ties to the lowest id):
+    ties, negative and zero logits of both signs, -inf, a padded expert count."""
+    from gptoss_serve.kernels._moe_routing import _topk_debug_kernel  # noqa: PLC0415
+
+    rows = [
+        torch.randn(128),
+        torch.tensor([1.0, 3.0, 3.0, -2.0, 3.0, 0.5, 3.0, 1.0] * 16),  # 4-way ties, repeated
+        -torch.rand(128) - 1.0,  # all negative
+        torch.tensor([-0.0, 0.0, -1.0, -0.0, -2.0, 0.0, -3.0, -5.0] * 16),  # zeros of both signs
+        torch.cat([torch.full((120,), float("-inf")), torch.randn(8)]),
+    ]
+    for num_experts, rows_of_logits in [(128, torch.stack(rows)), (100, torch.randn(3, 100))]:
+        logits = rows_of_logits.to(device)
+        ids = torch.empty(logits.shape[0], 4, dtype=torch.int32, device=device)
+        weights = torch.empty(logits.shape[0], 4, dtype=torch.float32, device=device)
+        _topk_debug_kernel[(logits.shape[0],)](logits, ids, weights, E=num_experts, TOP_K=4)
+        # Stable sort of (logit + 0.0): -0.0 and +0.0 are one value, as for the kernel.
+        order = torch.sort(logits + 0.0, dim=1, descending=True, stable=True).indices[:, :4]
+        assert torch.equal(ids.long(), order)
+        expected = torch.softmax(logits.gather(1, order), dim=1)
+        assert_close(weights, expected, max_rel=1e-6, rms_rel=1e-6)
+
+
+@interpreter
+def test_interpreter_topk() -> None:
+    check_topk("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_topk() -> None:
+    check_topk("cuda")
+
+
 @interpreter
 def test_interpreter_decode_routing() -> None:
     check_decode_routing(random_x(6, 96, seed=31), random_weights(8, 96, 64, seed=30))

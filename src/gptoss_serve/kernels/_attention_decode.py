@@ -108,12 +108,16 @@ def _decode_kernel(
     start, end, num_active = _split_bounds(
         seq_len, window, num_splits, split_id, HAS_WINDOW, BLOCK_N, SPLIT_MIN
     )
-    if split_id >= num_active:
-        return
-
     rows = tl.arange(0, BLOCK_G)  # query heads of this group, padded to >= 16 rows
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
+    if split_id >= num_active:
+        if not FOLD_SINK:  # an empty split: the merge gives it weight 0 (no length needed)
+            part = (seq * NUM_HEADS + heads) * num_splits + split_id
+            tl.store(part_m_ptr + part, tl.full([BLOCK_G], float("-inf"), tl.float32),
+                     mask=row_mask)  # fmt: skip
+        return
+
     dims = tl.arange(0, HEAD_DIM)
     q = load_rows(q_ptr + seq * stride_qb, heads * stride_qh, dims, row_mask)  # [G, D]
     if FOLD_SINK:  # the sink joins the softmax as one more logit per head
@@ -151,33 +155,31 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    seq_lens_ptr, sinks_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
-    stride_ob, stride_oh, window, num_splits,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PDL: tl.constexpr,
+    sinks_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per (head, sequence): merge the splits' partials and the sink logit."""
+    """One program per (head, sequence): merge the splits' partials and the sink logit. Every
+    split program wrote its maximum (-inf: an empty split, whose sum and output are never
+    written), so all loads go out at once, with no wait for the sequence's length."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     head = tl.program_id(0)
     seq = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    _, _, num_active = _split_bounds(seq_len, window, num_splits, 0, HAS_WINDOW, BLOCK_N, SPLIT_MIN)
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
     splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < num_active
+    split_mask = splits < num_splits
     part = (seq * NUM_HEADS + head) * num_splits + splits  # [S]
     split_max = tl.load(part_m_ptr + part, mask=split_mask, other=float("-inf"))
     split_sum = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                   mask=split_mask[:, None], other=0.0)  # fmt: skip
-    sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+    live = split_max > float("-inf")  # empty splits: sum and output unwritten (any bits)
     m_all = tl.maximum(tl.max(split_max, 0), sink)
-    weight = tl.exp2(split_max - m_all)  # [S]
-    total = tl.sum(split_sum * weight, 0) + tl.exp2(sink - m_all)
-    out = tl.sum(acc * weight[:, None], 0) / total  # [D]
+    weight = tl.exp2(split_max - m_all)  # [S], 0 for empty splits
+    total = tl.sum(tl.where(live, split_sum * weight, 0.0), 0) + tl.exp2(sink - m_all)
+    out = tl.sum(tl.where(live[:, None], acc * weight[:, None], 0.0), 0) / total  # [D]
     out_row = out_ptr + seq * stride_ob + head * stride_oh
     tl.store(out_row + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -213,27 +215,20 @@ def launch_decode(
     part_m = out if fold_sink else q.new_empty(part_shape, dtype=torch.float32)
     part_l = out if fold_sink else q.new_empty(part_shape, dtype=torch.float32)
     part_acc = out if fold_sink else q.new_empty((*part_shape, head_dim), dtype=torch.float32)
-    common = dict(
-        window=window or 0,
-        num_splits=num_splits,
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_N=tiles.block_n,
-        SPLIT_MIN=tiles.split_min,
-        HAS_WINDOW=window is not None,
-        PDL=pdl,
-    )
     _decode_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, sinks, out, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        qk_scale=scale * LOG2E_FLOAT, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        PAGE_SIZE=page_size, FOLD_SINK=fold_sink,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl, **common,
+        block_tables.stride(0), out.stride(0), out.stride(1), window or 0, num_splits,
+        qk_scale=scale * LOG2E_FLOAT, NUM_HEADS=num_heads, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_N=tiles.block_n, SPLIT_MIN=tiles.split_min, HAS_WINDOW=window is not None,
+        FOLD_SINK=fold_sink, PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
     if not fold_sink:
         _combine_kernel[(num_heads, batch)](
-            seq_lens, sinks, part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, launch_pdl=pdl, **common,
+            sinks, part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return out

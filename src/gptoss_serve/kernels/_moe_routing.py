@@ -257,3 +257,18 @@ def _scatter_kernel(expert_ids_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, BLOCK
     ids = tl.load(expert_ids_ptr + pairs, mask=mask, other=0)
     rows = tl.atomic_add(cursor_ptr + ids, 1, mask=mask, sem="relaxed")
     tl.store(sorted_ids_ptr + rows, pairs, mask=mask)
+
+
+@triton.jit
+def _topk_debug_kernel(logits_ptr, ids_ptr, weights_ptr, E: tl.constexpr, TOP_K: tl.constexpr):
+    """Debug: ``_topk_softmax`` of one row of logits [rows, E] fp32 per program -> ids and
+    weights [rows, TOP_K] (tests only)."""
+    E_PAD: tl.constexpr = triton.next_power_of_2(E)
+    K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
+    row = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + row * E + experts, mask=experts < E, other=float("-inf"))
+    ids, weights = _topk_softmax(logits[None, :], TOP_K, K_PAD)
+    slots = tl.arange(0, K_PAD)[None, :]
+    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)

@@ -1,0 +1,108 @@
+"""The whole 120b decode step (PDL, CUDA graph: as bench/kernels.py times it) under other decode
+MoE tiles for one batch size, each variant timed between two runs of the table's tiles.
+
+    python bench/step_tiles.py --batch 1 --variants 'gate_up_rows=32,gate_up_maxnreg=80' ...
+                               [--context 1024] [--out bench/results/step_tiles.json]
+
+A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
+fields of the table row that serves ``--batch`` tokens (ints, ``None``, ``True``/``False``).
+Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
+v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
+built once; the same inputs for every variant, whose logits must equal the table's to the
+bit where the variant changes only launch shapes that keep the reduction order (register caps,
+stages), and are reported either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from gpu_model import DecodeStep
+
+from gptoss_serve.checkpoint.presets import preset_config
+from gptoss_serve.config import ModelConfig
+from gptoss_serve.kernels import _moe_small as small
+from kernels import commit, graph_time_ms
+
+logger = logging.getLogger("bench.step_tiles")
+
+
+def parse_variant(text: str) -> dict:
+    fields = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        literal = {"None": None, "True": True, "False": False}
+        fields[name.strip()] = literal[value] if value in literal else int(value)
+    return fields
+
+
+def with_row(batch: int, fields: dict) -> tuple:
+    """DECODE_TILES with the row serving ``batch`` tokens replaced by ``fields``."""
+    index = next(i for i, (n, _) in enumerate(small.DECODE_TILES) if batch <= n)
+    bound, tiles = small.DECODE_TILES[index]
+    rows = list(small.DECODE_TILES)
+    rows[index] = (bound, dataclasses.replace(tiles, **fields))
+    return tuple(rows)
+
+
+def time_step(step: DecodeStep) -> tuple[float, torch.Tensor]:
+    times = graph_time_ms(step, repeats=30)
+    return statistics.median(times), step.last_logits.clone()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--variants", nargs="+", required=True)
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results/step_tiles.json"
+    )
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    config = ModelConfig.from_dict(preset_config("120b"))
+    step = DecodeStep(config, batch=args.batch, context=args.context, pdl=True)
+    table = small.DECODE_TILES
+    rows = []
+    base_ms, base_logits = time_step(step)
+    for text in args.variants:
+        fields = parse_variant(text)
+        small.DECODE_TILES = with_row(args.batch, fields)
+        try:
+            ms, logits = time_step(step)
+        finally:
+            small.DECODE_TILES = table
+        again_ms, _ = time_step(step)
+        table_ms = [round(base_ms, 4), round(again_ms, 4)]
+        rows.append({"variant": text, "ms": round(ms, 4), "table_ms": table_ms,
+                     "logits_equal": bool(torch.equal(logits, base_logits))})  # fmt: skip
+        base_ms = again_ms
+    result = {
+        "device": torch.cuda.get_device_name(), "commit": commit(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "batch": args.batch, "context": args.context,
+        "table_row": str(small.decode_tiles_for(args.batch)), "rows": rows,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    sys.stdout.write(f"\nwhole step, batch {args.batch}, context {args.context} (ms)\n")
+    sys.stdout.write(f"{'variant':60} {'ms':>8} {'table before/after':>20} logits\n")
+    for row in rows:
+        before, after = row["table_ms"]
+        same = "same" if row["logits_equal"] else "differ"
+        sys.stdout.write(
+            f"{row['variant']:60} {row['ms']:8.4f} {before:9.4f} {after:9.4f}  {same}\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
