@@ -26,7 +26,7 @@ from gptoss_serve.kernels.attention import paged_attention_decode_reference
 from gptoss_serve.kernels.linear import linear
 from gptoss_serve.kernels.moe import mxfp4_moe
 from gptoss_serve.kernels.norm import fused_add_rms_norm
-from gptoss_serve.kernels.rope import rope_and_cache_write
+from gptoss_serve.kernels.rope import rope_and_cache_write, split_qkv
 from gptoss_serve.model import load_model
 from gptoss_serve.model.rope import yarn_inv_freq
 
@@ -220,7 +220,7 @@ def _decode(weights: ModelWeights, token_ids: list[int], block_size: int = 16) -
             attention, eps = layer.attention, config.rms_norm_eps
             normed, residual = fused_add_rms_norm(x, residual, attention.input_norm, eps)
             qkv = linear(normed, attention.qkv_weight, attention.qkv_bias)
-            q, k, v = (t.view(1, -1, d) for t in qkv.split([a * d, kv * d, kv * d], dim=-1))
+            q, k, v = split_qkv(qkv, a, kv, d)
             q = rope_and_cache_write(
                 q, k, v, positions, weights.inv_freq, config.rope.attention_scaling,
                 k_cache, v_cache, positions,

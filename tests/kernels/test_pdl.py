@@ -15,7 +15,7 @@ from gptoss_serve.kernels.launch import pdl_applies
 from gptoss_serve.kernels.linear import linear
 from gptoss_serve.kernels.moe import mxfp4_moe
 from gptoss_serve.kernels.norm import fused_add_rms_norm
-from gptoss_serve.kernels.rope import rope_and_cache_write
+from gptoss_serve.kernels.rope import rope_and_cache_write, split_qkv
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 2880, 64, 8, 64, 16
 
@@ -76,11 +76,9 @@ class _Chain:
         for layer, (k_cache, v_cache) in zip(self.layers, self.caches, strict=True):
             normed, residual = fused_add_rms_norm(x, residual, layer["norm1"], 1e-5, pdl=pdl)
             qkv = linear(normed, layer["qkv"], layer["qkv_bias"], pdl=pdl)
-            q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+            q, k, v = split_qkv(qkv, HEADS, KV_HEADS, HEAD_DIM)
             q = rope_and_cache_write(
-                q.view(batch, HEADS, HEAD_DIM), k.view(batch, KV_HEADS, HEAD_DIM),
-                v.view(batch, KV_HEADS, HEAD_DIM), self.positions, self.inv_freq, 1.3,
-                k_cache, v_cache, self.slots, pdl=pdl,
+                q, k, v, self.positions, self.inv_freq, 1.3, k_cache, v_cache, self.slots, pdl=pdl
             )  # fmt: skip
             attn = paged_attention_decode(
                 q, k_cache, v_cache, self.block_tables, self.seq_lens, layer["sinks"],
