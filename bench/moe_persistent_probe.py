@@ -8,7 +8,8 @@ that take tiles p, p + G, p + 2G, ... in one flattened loop over (tile, step), s
 pipeline's loads run ahead across tile boundaries; each step's scales come through the same
 pipeline (scale words). 36 layers of the 4 routed experts' gate_up rows (23,040 rows of 1,440
 bytes + 90 scales), one launch per layer in a CUDA graph, against the one-program-per-tile
-kernel of moe_layout_probe.py on the same bytes; outputs compared.
+kernel of moe_layout_probe.py on the same bytes; outputs compared. Then the bytes alone (no
+decode, no MMA) on the per-tile grid, and torch's sum of them: what the structure can reach.
 
     cd bench && python3 moe_persistent_probe.py [--out results/moe_persistent_probe.json]
 """
@@ -83,6 +84,48 @@ def _persistent_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, num_tiles,
             acc = tl.zeros([BN, 8], tl.float32)
 
 
+@triton.jit
+def _stream_kernel(blocks_ptr, out_ptr, ROWS_PER_PROGRAM: tl.constexpr, WORDS: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):  # fmt: skip
+    """The same bytes with no decode and no MMA: each program XORs its rows' 32-bit words,
+    WORDS of each row per step (16: the GEMV's 64 bytes), in a pipelined loop (whole steps
+    only: the last 32 bytes of a row are skipped at 16 words)."""
+    rows = tl.program_id(0) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+    words = blocks_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (1440 // 4)
+    acc = tl.zeros([ROWS_PER_PROGRAM, WORDS], tl.int32)
+    for step in tl.range(0, 1440 // 4 // WORDS, num_stages=NUM_STAGES):
+        acc ^= tl.load(words + step * WORDS + tl.arange(0, WORDS)[None, :])
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(tl.float32))
+
+
+def stream_rows(blocks, out) -> list[dict]:
+    """Upper bounds of the per-tile structure: the bytes alone (Triton), and torch's sum."""
+    layer_bytes = ROWS * ROW_BYTES
+    rows = []
+    configs = [("triton", 64, 16, 4, 3), ("triton", 64, 8, 4, 3), ("triton", 32, 8, 4, 4),
+               ("triton", 64, 16, 8, 4), ("torch", 0, 0, 0, 0)]  # fmt: skip
+    for kind, per_program, words, warps, stages in configs:
+
+        def launch(per_program=per_program, words=words, warps=warps, stages=stages,
+                   kind=kind) -> None:  # fmt: skip
+            for layer in range(LAYERS):
+                if kind == "torch":
+                    out[:1] = blocks[layer].view(torch.float32).sum()
+                else:
+                    _stream_kernel[(ROWS // per_program,)](
+                        blocks[layer], out, ROWS_PER_PROGRAM=per_program, WORDS=words,
+                        NUM_STAGES=stages, num_warps=warps, num_stages=stages,
+                    )  # fmt: skip
+
+        us = statistics.median(graph_time_ms(launch, calls=LAYERS, repeats=20)) * 1e3
+        name = f"stream {kind} {per_program} rows {words * 4} B/step {warps} warps {stages} st"
+        read = layer_bytes if kind == "torch" else ROWS * (ROW_BYTES // 4 // words) * words * 4
+        tbps = read / (us * 1e-6) / 1e12
+        sys.stdout.write(f"{name:<44} {us:9.2f} {tbps:7.3f}\n")
+        rows.append({"config": name, "us": round(us, 2), "tbps": round(tbps, 3)})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="also write the rows as JSON")
@@ -138,6 +181,7 @@ def main() -> int:
         sys.stdout.write(f"{name:<44} {us:9.2f} {tbps:7.3f} {same:>6}\n")
         results.append({"config": name, "us": round(us, 2), "tbps": round(tbps, 3),
                         "output": same})  # fmt: skip
+    results += stream_rows(blocks, torch.empty(ROWS, device="cuda"))
     sys.stdout.write(f"copy: {results[0]['tbps']} TB/s\n")
     if args.out:
         with open(args.out, "w") as f:
