@@ -369,6 +369,17 @@ def test_wgmma_groups_of_64_need_32_rows_a_warp() -> None:
     dataclasses.replace(base, gate_up_warps=8, group_size=32)  # other group sizes are fine
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_router_finish_tokens_is_a_power_of_two() -> None:
+    from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
+
+    base = _moe_small.decode_tiles_for(64)
+    assert base.router_finish_tokens == 4
+    for bad in (0, 3, 12):
+        with pytest.raises(ValueError, match="router_finish_tokens"):
+            dataclasses.replace(base, router_finish_tokens=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("num_tokens", "order"), [(17, 0), (64, 0), (300, 1), (2000, 2)])
 def test_gpu_split_router(gpu_weights: MoeWeights, num_tokens: int, order: int) -> None:

@@ -65,6 +65,9 @@ class DecodeTiles:
     down_stages: int = 4
     down_unroll: int = 1
     router_experts: int = 1  # experts per router program
+    # Past ROUTER_MAX_TOKENS: tokens per program of the K-split router's finish (the parts'
+    # sum, bias, top-k), whose parts' loads go out together only if they fit in registers.
+    router_finish_tokens: int = 16
     router_block_k: int | None = None  # None: all of H in one step at T = 1, less as T grows
     # The routing from the router's last program (once) rather than a top-4 in every gate_up
     # program: that tail costs the router ~2 us, which the GEMVs win back from T ~ 8 on.
@@ -97,6 +100,9 @@ class DecodeTiles:
                 raise ValueError(f"{name} must be a power of two ≥ 16 (down: · k), got {rows}")
         if self.gate_up_rows < 2:
             raise ValueError("gate_up_rows must cover a (gate, up) pair")
+        finish = self.router_finish_tokens
+        if finish < 1 or finish & (finish - 1):
+            raise ValueError(f"router_finish_tokens must be a power of two, got {finish}")
         if self.group_columns and not (
             self.route_in_router and self.gate_up_split == self.down_split == 1
             and self.down_rows >= 16 and not self.down_rows & (self.down_rows - 1)
@@ -130,10 +136,14 @@ class DecodeTiles:
         return gemv.ORDER_MMA if self.tile_order else gemv.ORDER_THREAD
 
 
-# The grouped-columns rows' common tiles: 64 rows unsplit for both GEMVs, 2 warps, 4 stages.
+# The grouped-columns rows' common tiles: 64 rows unsplit for both GEMVs, 2 warps, 4 stages;
+# the K-split router's finish on 4 tokens a program (16 before: its 12-15 parts' loads did not
+# all fit in registers at once; ncu at 64 tokens 7.7 us for its 4 programs), the same bits:
+# the whole 120b step (bench/step_tiles.py, H200) at batch 32 17.92-17.97 -> 17.85 ms, at
+# batch 64 24.29-24.32 -> 24.23 ms (2 or 1 tokens: about as fast, other bits).
 _COLUMNS = DecodeTiles(
     group_columns=True, gate_up_rows=64, gate_up_split=1, down_rows=64, down_split=1,
-    down_warps=2,
+    down_warps=2, router_finish_tokens=4,
 )  # fmt: skip
 
 # ... and past 128 tokens: 128-row tiles of 4 warps on wgmma, in its tile order, scale words.
@@ -320,7 +330,8 @@ def launch_router(
     if num_tokens > ROUTER_MAX_TOKENS:
         if not route:
             raise ValueError(f"past {ROUTER_MAX_TOKENS} tokens the router must write the routing")
-        _launch_wide_router(x, weights, x_thread, ids, gates, pdl=_pdl(tiles), order=tiles.order)
+        _launch_wide_router(x, weights, x_thread, ids, gates, pdl=_pdl(tiles), order=tiles.order,
+                            finish_tokens=tiles.router_finish_tokens)  # fmt: skip
         return
     counter = weights.router_counter
     if route and counter is None:
@@ -347,6 +358,7 @@ def _launch_wide_router(
     pdl: bool = False,
     split_k: int = ROUTER_SPLIT_K,
     order: int = gemv.ORDER_THREAD,
+    finish_tokens: int = 16,
 ) -> None:
     """More tokens: the router GEMM split over K (_moe_router_split.py), 2 launches. x goes
     to ``x_thread`` in ``order`` (_moe_gemv.ORDER_*; a tile order: rows 128·ceil(H / 128)
@@ -367,10 +379,10 @@ def _launch_wide_router(
         PDL=pdl, INTERPRET=_interpreting(), TILE_ORDER=order, X_STRIDE=x_thread.stride(0),
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    router_split._router_finish_kernel[(triton.cdiv(num_tokens, 16),)](
+    router_split._router_finish_kernel[(triton.cdiv(num_tokens, finish_tokens),)](
         partial, weights.router_bias, ids, gates, num_tokens, NUM_PARTS=num_parts, E=num_experts,
-        E_PAD=e_pad, BLOCK_T=16, TOP_K=top_k, K_PAD=_pow2(top_k), PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        E_PAD=e_pad, BLOCK_T=finish_tokens, TOP_K=top_k, K_PAD=_pow2(top_k), PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
