@@ -130,15 +130,25 @@ def real_k_rows(blocks, scales, x, out) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="also write the rows as JSON")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    # Random bytes (never zeros); scales near 127 so the sums stay finite.
-    blocks = torch.randint(0, 256, (LAYERS, ROWS * K_BYTES), dtype=torch.uint8, device="cuda")
-    scales = torch.randint(120, 134, (LAYERS, ROWS * K_BYTES // 16), dtype=torch.uint8,
+def random_layers(row_bytes: int, row_scales: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """LAYERS layers of ROWS rows: random packed bytes and scales near 127 (finite sums)."""
+    blocks = torch.randint(0, 256, (LAYERS, ROWS * row_bytes), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(120, 134, (LAYERS, ROWS * row_scales), dtype=torch.uint8,
                            device="cuda")  # fmt: skip
+    return blocks, scales
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    """--out, the probes' one flag; ``doc``: the script's docstring."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", maxsplit=1)[0])
+    parser.add_argument("--out", default=None, help="also write the rows as JSON")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args(__doc__)
+    torch.manual_seed(0)
+    blocks, scales = random_layers(K_BYTES, K_BYTES // 16)
     x = torch.randn(2 * K_BYTES, device="cuda").to(torch.bfloat16)
     out = torch.empty(ROWS, device="cuda")
     layer_bytes = ROWS * K_BYTES * 17 // 16

@@ -18,7 +18,6 @@ decode, no MMA) on the per-tile grid, and torch's sum of them: what the structur
 # ruff: noqa: N803, N806, PLR0917
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,14 +25,12 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from moe_layout_probe import _real_k_kernel
+from moe_layout_probe import LAYERS, ROWS, _real_k_kernel, parse_args, random_layers
 
 from gptoss_serve.kernels._moe_gemv import _gemv_step, _scale_words, _tile_slots
 from gptoss_serve.kernels._moe_small import split_plan
 from kernels import copy_tbps, graph_time_ms
 
-LAYERS = 36
-ROWS = 4 * 5760  # the 4 routed experts' gate_up rows at batch 1
 ROW_BYTES, ROW_SCALES = 1440, 90
 _ROW_BYTES, _ROW_SCALES = tl.constexpr(ROW_BYTES), tl.constexpr(ROW_SCALES)  # in the kernel
 # Per tile kernel (moe_layout_probe): (rows per tile, split, warps, stages); the first is the
@@ -127,14 +124,10 @@ def stream_rows(blocks, out) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="also write the rows as JSON")
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    blocks = torch.randint(0, 256, (LAYERS, ROWS * ROW_BYTES), dtype=torch.uint8, device="cuda")
-    scales = torch.randint(120, 134, (LAYERS, ROWS * ROW_SCALES), dtype=torch.uint8,
-                           device="cuda")  # fmt: skip
+    blocks, scales = random_layers(ROW_BYTES, ROW_SCALES)
     x = torch.randn(2880, device="cuda").to(torch.bfloat16)
     # Thread order is a permutation within blocks of 8: random values need no reordering.
     layer_bytes = ROWS * (ROW_BYTES + ROW_SCALES)
