@@ -1,7 +1,7 @@
 """The whole 120b decode step (PDL, CUDA graph: as bench/kernels.py times it) under other decode
 MoE tiles for one batch size, each variant timed between two runs of the table's tiles.
 
-    python bench/step_tiles.py --batch 1 --variants 'gate_up_rows=32,gate_up_maxnreg=80' ...
+    python bench/step_tiles.py --batch 1 --variants 'gate_up_warps=8,gate_up_stages=4' ...
                                [--context 1024] [--out bench/results/step_tiles.json]
 
 A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
@@ -9,8 +9,8 @@ fields of the table row that serves ``--batch`` tokens (ints, ``None``, ``True``
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
-bit where the variant changes only launch shapes that keep the reduction order (register caps,
-stages), and are reported either way.
+bit where the variant changes only launch shapes that keep the reduction order (stages, warps
+of the same tile), and are reported either way.
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _moe_small as small
 from kernels import commit, graph_time_ms
 
-logger = logging.getLogger("bench.step_tiles")
+LITERALS = {"None": None, "True": True, "False": False}
 
 
 def parse_variant(text: str) -> dict:
     fields = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
-        literal = {"None": None, "True": True, "False": False}
-        fields[name.strip()] = literal[value] if value in literal else int(value)
+        fields[name.strip()] = LITERALS[value] if value in LITERALS else int(value)
     return fields
 
 

@@ -66,8 +66,11 @@ class DecodeTiles:
     down_unroll: int = 1
     router_experts: int = 1  # experts per router program
     # Past ROUTER_MAX_TOKENS: tokens per program of the K-split router's finish (the parts'
-    # sum, bias, top-k), whose parts' loads go out together only if they fit in registers.
-    router_finish_tokens: int = 16
+    # sum, bias, top-k). 4 (16 before: its 12-15 parts' loads did not all fit in registers at
+    # once; ncu at 64 tokens 7.7 us for its 4 programs), the same bits: the whole 120b step
+    # (bench/step_tiles.py, H200) at batch 32 17.92-17.97 -> 17.85 ms, at batch 64 24.29-24.32
+    # -> 24.23 ms (2 or 1 tokens: about as fast, other bits).
+    router_finish_tokens: int = 4
     router_block_k: int | None = None  # None: all of H in one step at T = 1, less as T grows
     # The routing from the router's last program (once) rather than a top-4 in every gate_up
     # program: that tail costs the router ~2 us, which the GEMVs win back from T ~ 8 on.
@@ -136,14 +139,10 @@ class DecodeTiles:
         return gemv.ORDER_MMA if self.tile_order else gemv.ORDER_THREAD
 
 
-# The grouped-columns rows' common tiles: 64 rows unsplit for both GEMVs, 2 warps, 4 stages;
-# the K-split router's finish on 4 tokens a program (16 before: its 12-15 parts' loads did not
-# all fit in registers at once; ncu at 64 tokens 7.7 us for its 4 programs), the same bits:
-# the whole 120b step (bench/step_tiles.py, H200) at batch 32 17.92-17.97 -> 17.85 ms, at
-# batch 64 24.29-24.32 -> 24.23 ms (2 or 1 tokens: about as fast, other bits).
+# The grouped-columns rows' common tiles: 64 rows unsplit for both GEMVs, 2 warps, 4 stages.
 _COLUMNS = DecodeTiles(
     group_columns=True, gate_up_rows=64, gate_up_split=1, down_rows=64, down_split=1,
-    down_warps=2, router_finish_tokens=4,
+    down_warps=2,
 )  # fmt: skip
 
 # ... and past 128 tokens: 128-row tiles of 4 warps on wgmma, in its tile order, scale words.
@@ -358,7 +357,7 @@ def _launch_wide_router(
     pdl: bool = False,
     split_k: int = ROUTER_SPLIT_K,
     order: int = gemv.ORDER_THREAD,
-    finish_tokens: int = 16,
+    finish_tokens: int = DecodeTiles.router_finish_tokens,
 ) -> None:
     """More tokens: the router GEMM split over K (_moe_router_split.py), 2 launches. x goes
     to ``x_thread`` in ``order`` (_moe_gemv.ORDER_*; a tile order: rows 128·ceil(H / 128)
