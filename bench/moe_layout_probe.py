@@ -145,6 +145,24 @@ def parse_args(doc: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def layer_us(name: str, launch) -> float | None:
+    """Median us per layer of ``launch`` (LAYERS launches, one CUDA graph); None, reported,
+    for a shape that does not build."""
+    try:
+        return statistics.median(graph_time_ms(launch, calls=LAYERS, repeats=20)) * 1e3
+    except Exception as error:  # a shape that does not build: report it, go on
+        sys.stdout.write(f"{name}: {error!r}\n")
+        return None
+
+
+def write_rows(path: str | None, rows: list[dict]) -> int:
+    """The probes' end: their rows as JSON at ``path`` (--out) when given; exit code 0."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
 def main() -> int:
     args = parse_args(__doc__)
     torch.manual_seed(0)
@@ -172,10 +190,7 @@ def main() -> int:
         rows.append({"config": name, "us": round(us, 2), "tbps": round(tbps, 3)})
     sys.stdout.write(f"copy: {rows[0]['tbps']} TB/s\n")
     rows += real_k_rows(blocks, scales, x, out)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    return 0
+    return write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ decode, no MMA) on the per-tile grid, and torch's sum of them: what the structur
 # ruff: noqa: N803, N806, PLR0917
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from moe_layout_probe import LAYERS, ROWS, _real_k_kernel, parse_args, random_layers
+from moe_layout_probe import LAYERS, ROWS, _real_k_kernel, parse_args, random_layers, write_rows
 
 from gptoss_serve.kernels._moe_gemv import _gemv_step, _scale_words, _tile_slots
 from gptoss_serve.kernels._moe_small import split_plan
@@ -176,10 +175,7 @@ def main() -> int:
                         "output": same})  # fmt: skip
     results += stream_rows(blocks, torch.empty(ROWS, device="cuda"))
     sys.stdout.write(f"copy: {results[0]['tbps']} TB/s\n")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": results}, f, indent=1)
-    return 0
+    return write_rows(args.out, results)
 
 
 if __name__ == "__main__":
