@@ -60,7 +60,7 @@ def _real_k_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
         tl.minimum(90 - col_part * SPLIT_GROUPS, SPLIT_GROUPS), BN, STEPS, FULL_STEPS, 1,
         NUM_STAGES, True, False,
     )  # fmt: skip
-    keep = (tl.arange(0, BN) // R)[:, None] == col_part[None, :]
+    keep = (tl.arange(0, BN) // R)[:, None] == cols[None, :]  # row s·R + r: column s alone
     y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)
     tl.store(out_ptr + n0 + tl.arange(0, R), y)
 
@@ -87,7 +87,7 @@ def _probe_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
         tl.full([8], 4 * STEPS, tl.int32), BN, STEPS, STEPS, 1, NUM_STAGES, True, False,
         STEP_BYTES=LB * 64,
     )  # fmt: skip
-    keep = (tl.arange(0, BN) // R)[:, None] == (cols % SPLIT)[None, :]
+    keep = (tl.arange(0, BN) // R)[:, None] == cols[None, :]  # row s·R + r: column s alone
     y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)
     tl.store(out_ptr + n0 + tl.arange(0, R), y)
 

@@ -62,7 +62,7 @@ def _persistent_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, num_tiles,
     col_part = cols % SPLIT
     col_ptrs = x_ptr + col_part * (32 * SPLIT_GROUPS)
     col_groups = tl.minimum(G - col_part * SPLIT_GROUPS, SPLIT_GROUPS)
-    keep = (tl.arange(0, BN) // R)[:, None] == col_part[None, :]
+    keep = (tl.arange(0, BN) // R)[:, None] == cols[None, :]  # row s·R + r: column s alone
     acc = tl.zeros([BN, 8], tl.float32)
     for it in tl.range(0, my_tiles * STEPS, num_stages=NUM_STAGES):
         tile = pid + (it // STEPS) * num_programs
