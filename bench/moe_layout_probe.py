@@ -54,7 +54,7 @@ def _real_k_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
     row_groups = tl.minimum(90 - part * SPLIT_GROUPS, SPLIT_GROUPS)
     cols = tl.arange(0, 8)
     col_part = cols % SPLIT
-    acc = _mxfp4_gemv(
+    acc, _ = _mxfp4_gemv(
         blocks_ptr + row * 1440 + 16 * first_group, scales_ptr + row * 90 + first_group,
         row_groups, t, x_ptr + col_part * (32 * SPLIT_GROUPS),
         tl.minimum(90 - col_part * SPLIT_GROUPS, SPLIT_GROUPS), BN, STEPS, FULL_STEPS, 1,
@@ -82,7 +82,7 @@ def _probe_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
     row_groups = tl.full([4 * BN], 4 * STEPS, tl.int32)
     cols = tl.arange(0, 8)
     col_ptrs = x_ptr + (cols % SPLIT) * (STEPS * 128)
-    acc = _mxfp4_gemv(
+    acc, _ = _mxfp4_gemv(
         blocks_ptr + offset, scale_rows, row_groups, t, col_ptrs,
         tl.full([8], 4 * STEPS, tl.int32), BN, STEPS, STEPS, 1, NUM_STAGES, True, False,
         STEP_BYTES=LB * 64,

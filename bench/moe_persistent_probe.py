@@ -70,7 +70,7 @@ def _persistent_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, num_tiles,
         row = (tile * R + rows % R).to(tl.int64)
         block_rows = blocks_ptr + row * _ROW_BYTES + 16 * first_group
         word_ptrs, shift = _scale_words(scales_ptr, row * _ROW_SCALES + first_group)
-        acc, _ = _gemv_step(
+        acc, _, _ = _gemv_step(
             acc, tl.zeros_like(row_groups), step, block_rows, word_ptrs, row_groups, t,
             col_ptrs, col_groups, BN, True, True, False, 0, True, shift,
         )  # fmt: skip

@@ -106,26 +106,28 @@ def _decode_variants() -> list:
 
 @interpreter
 @pytest.mark.parametrize(
-    ("num_tokens", "group_size", "order", "scale_words"),
-    [(1, 8, 0, False), (20, 8, 0, False), (80, 16, 0, False), (1, 8, 1, False),
-     (20, 8, 1, False), (80, 32, 1, False), (20, 16, 2, False), (80, 32, 2, True),
-     (20, 8, 0, True)],
+    ("num_tokens", "group_size", "order", "scale_words", "extra"),
+    [(1, 8, 0, False, 0), (20, 8, 0, False, 0), (80, 16, 0, False, 0), (1, 8, 1, False, 0),
+     (20, 8, 1, False, 0), (80, 32, 1, False, 0), (20, 16, 2, False, 0), (80, 32, 2, True, 0),
+     (20, 8, 0, True, 0), (100, 32, 2, True, 16), (100, 32, 1, False, 16)],
 )  # fmt: skip
 def test_interpreter_grouped_columns(
-    num_tokens: int, group_size: int, order: int, scale_words: bool
+    num_tokens: int, group_size: int, order: int, scale_words: bool, extra: int
 ) -> None:
     """Pairs grouped by expert: 20 tokens over 8 experts put ~10 pairs on an expert, so an
     expert takes two groups of 8 columns; 80 tokens (320 pairs) are routed by the K-split
     router, ~40 pairs an expert in groups of 16 or 32; activations in thread order (0) or a
     tile order (1: mma.sync's, 2: wgmma's); the scales one step ahead or as aligned words
-    (H = 160: rows of 5 scale bytes, so most rows' scales start mid-word). Poisoned scratch,
-    the kernels' own routing."""
+    (H = 160: rows of 5 scale bytes, so most rows' scales start mid-word); an expert's short
+    last group taken as 16 extra columns by its previous group's program (``extra``: at 100
+    tokens the experts hold 42-58 pairs, so 3 overflow 32 by at most 16 and 5 by more).
+    Poisoned scratch, the kernels' own routing."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
 
     tiles = _moe_small.DecodeTiles(
         group_columns=True, group_size=group_size, gate_up_rows=32, gate_up_split=1,
         down_rows=16, down_split=1, tile_order=order > 0, wgmma_order=order == 2,
-        scale_words=scale_words,
+        scale_words=scale_words, next_group_columns=extra,
     )  # fmt: skip
     check_decode_routing(random_x(num_tokens, 160, seed=41), random_weights(8, 160, 96, seed=40),
                          tiles)  # fmt: skip
@@ -327,16 +329,19 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("num_tokens", "shape", "scale_words"),
-    [(600, (32, 128, 8, 3), True), (600, (32, 128, 8, 3), False), (2048, (64, 128, 4, 3), True),
-     (2048, (64, 128, 4, 3), False), (3000, (128, 128, 8, 2), True)],
+    ("num_tokens", "shape", "scale_words", "extra"),
+    [(600, (32, 128, 8, 3), True, 0), (600, (32, 128, 8, 3), False, 0),
+     (2048, (64, 128, 4, 3), True, 0), (2048, (64, 128, 4, 3), False, 0),
+     (3000, (128, 128, 8, 2), True, 0), (600, (32, 128, 8, 3), True, 16),
+     (2048, (64, 128, 4, 3), True, 16), (1000, (32, 128, 4, 3), True, 16)],
 )  # fmt: skip
 def test_gpu_wgmma_columns_match_reference(
-    gpu_weights: MoeWeights, num_tokens: int, shape: tuple, scale_words: bool
+    gpu_weights: MoeWeights, num_tokens: int, shape: tuple, scale_words: bool, extra: int
 ) -> None:
     """The grouped columns on wgmma tiles (group size, rows, warps, stages), in the wgmma tile
-    order, the scales one step ahead or as words, with the fp32 routing given, into poisoned
-    scratch: past 4096 pairs the groups come from the block table."""
+    order, the scales one step ahead or as words, an expert's short last group as extra
+    columns or not, with the fp32 routing given, into poisoned scratch: past 4096 pairs the
+    groups come from the block table."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
     from gptoss_serve.kernels._moe_triton import moe_experts_triton  # noqa: PLC0415
 
@@ -344,7 +349,7 @@ def test_gpu_wgmma_columns_match_reference(
     tiles = dataclasses.replace(
         _moe_small.decode_tiles_for(2048), group_size=cols, gate_up_rows=rows, down_rows=rows,
         gate_up_warps=warps, down_warps=warps, gate_up_stages=stages, down_stages=stages,
-        scale_words=scale_words,
+        scale_words=scale_words, next_group_columns=extra,
     )  # fmt: skip
     x = random_x(num_tokens, 2880, device="cuda", seed=fresh_seed())
     expert_ids, routing_weights = reference_routing(x, gpu_weights)
@@ -354,6 +359,21 @@ def test_gpu_wgmma_columns_match_reference(
     )
     expected = mxfp4_moe_experts_reference(x, gpu_weights, expert_ids, routing_weights)
     assert_close(actual, expected, max_rel=MAX_REL, rms_rel=RMS_REL)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_next_group_columns_are_checked() -> None:
+    """Extra columns need the tile order and a group size of 16+ below the group's."""
+    from gptoss_serve.kernels._moe_small import DecodeTiles, decode_tiles_for  # noqa: PLC0415
+
+    tiles = decode_tiles_for(2048)
+    for extra in (8, 24, 64, 128):
+        with pytest.raises(ValueError, match="next_group_columns"):
+            dataclasses.replace(tiles, next_group_columns=extra)
+    with pytest.raises(ValueError, match="next_group_columns"):
+        DecodeTiles(group_columns=True, gate_up_split=1, down_rows=16, down_split=1,
+                    group_size=32, next_group_columns=16)  # fmt: skip
+    assert dataclasses.replace(tiles, next_group_columns=32).next_group_columns == 32
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -468,6 +488,7 @@ def columns_ptx(tiles) -> list[str]:
     common = dict(TOP_K=4, COLS=tiles.group_size, PTX=True, PDL=False, INTERPRET=False)
     stride = 2944 if tiles.tile_order else 2880  # tile order: rows of 23 steps of 128
     common |= dict(TILE_ORDER=tiles.order, H_STRIDE=stride, SCALE_WORDS=tiles.scale_words)
+    common |= dict(EXTRA=tiles.next_group_columns)
     common |= steps
     return [
         compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
@@ -526,14 +547,15 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-@pytest.mark.parametrize("num_tokens", [256, 512, 2048])
-def test_wgmma_columns_compile_for_sm90(num_tokens: int) -> None:
+@pytest.mark.parametrize(("num_tokens", "extra"), [(256, 0), (512, 0), (2048, 0), (2048, 16)])
+def test_wgmma_columns_compile_for_sm90(num_tokens: int, extra: int) -> None:
     """The table's wgmma rows: the decoded weights go into wgmma as its register operand with
     no lane shuffle (the wgmma tile order; in mma.sync's order this tile needs 32 shfl per
-    thread and step), the activations by cp.async; no local memory."""
+    thread and step), the activations by cp.async; no local memory; also with an expert's
+    short last group as 16 extra columns (``extra``)."""
     from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
 
-    tiles = decode_tiles_for(num_tokens)
+    tiles = dataclasses.replace(decode_tiles_for(num_tokens), next_group_columns=extra)
     assert tiles.wgmma_order
     for ptx in columns_ptx(tiles):
         assert "wgmma.mma_async" in ptx and "cp.async" in ptx and "mul.rn.bf16x2" in ptx

@@ -142,6 +142,26 @@ def _group_columns(group_expert_ptr, group_pairs_ptr, group, TOP_K: tl.constexpr
 
 
 @triton.jit
+def _next_group_columns(group_expert_ptr, group_pairs_ptr, group, expert, TOP_K: tl.constexpr,
+                        COLS: tl.constexpr, EXTRA: tl.constexpr):  # fmt: skip
+    """An expert's groups are consecutive, their pairs packed and only its last group partial:
+    the program of a group also multiplies the next group when that is the same expert's with
+    at most EXTRA pairs (extra MMA columns, same decoded tiles), and the next group's own
+    program then has nothing to do. (taken: this group is such a next group; used: this
+    program takes one; pairs2 [EXTRA] of the next group or -1, valid2, tokens2.)"""
+    before = tl.load(group_expert_ptr + group - 1, mask=group > 0, other=-1)
+    taken = (before == expert) & (tl.load(group_pairs_ptr + group * COLS + EXTRA) < 0)
+    has_next = group + 1 < tl.num_programs(1)
+    following = tl.load(group_expert_ptr + group + 1, mask=has_next, other=-1)
+    next_pairs = group_pairs_ptr + (group + 1) * COLS
+    short = tl.load(next_pairs + EXTRA, mask=has_next, other=0) < 0
+    used = has_next & (following == expert) & short  # (an expert's group is never empty)
+    pairs2 = tl.load(next_pairs + tl.arange(0, EXTRA), mask=used, other=-1)
+    valid2 = pairs2 >= 0
+    return taken, used, pairs2, valid2, tl.where(valid2, pairs2 // TOP_K, 0)
+
+
+@triton.jit
 def _expert_rows(blocks_ptr, scales_ptr, expert, n0, N: tl.constexpr, K: tl.constexpr,
                  BN: tl.constexpr, SCALE_WORDS: tl.constexpr = False):  # fmt: skip
     """The GEMV slots of rows [n0, n0 + BN) of ``expert``'s [N, K] MXFP4 matrix, unsplit:
@@ -208,10 +228,13 @@ def _columns_gate_up_kernel(
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
     X_STRIDE: tl.constexpr, H_STRIDE: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
+    EXTRA: tl.constexpr = 0,
 ):  # fmt: skip
     """h[pair, units of rows n0 .. n0 + BN) for the group's pairs (rows interleaved gate/up).
     x rows (X_STRIDE apart) and the h rows written (H_STRIDE apart) are in the order
-    TILE_ORDER (_moe_gemv.ORDER_*: thread order, or a tile order)."""
+    TILE_ORDER (_moe_gemv.ORDER_*: thread order, or a tile order). EXTRA (tile order): also
+    the next group's pairs when it is this expert's last with at most EXTRA
+    (``_next_group_columns``)."""
     G: tl.constexpr = H // 32
     n0 = tl.program_id(0) * BN  # row tiles fastest: one expert's tiles run together
     if PDL:
@@ -224,20 +247,50 @@ def _columns_gate_up_kernel(
     block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, H, BN, SCALE_WORDS
     )
-    acc = _mxfp4_gemv(
-        block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
-        tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER,
-        SCALE_WORDS, shifts,
-    )  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
     out_rows = n0 + tl.arange(0, BN)
     bias = tl.load(bias_ptr + expert * N + out_rows, mask=out_rows < N, other=0.0)
-    y = acc * ACC_SCALE + bias.to(tl.float32)[:, None]  # [BN, COLS]: column c is pair c
-    gate, up = tl.split(tl.permute(tl.reshape(y, [BN // 2, 2, COLS]), (0, 2, 1)))
+    if EXTRA > 0:
+        taken, extra, pairs2, valid2, tokens2 = _next_group_columns(
+            group_expert_ptr, group_pairs_ptr, tl.program_id(1), expert, TOP_K, COLS, EXTRA
+        )
+        if taken:
+            return
+    else:
+        extra: tl.constexpr = False
+    if extra:  # the extra MMA only where it is used
+        acc, acc2 = _mxfp4_gemv(
+            block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
+            tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
+            TILE_ORDER, SCALE_WORDS, shifts, col_ptrs2=x_thread_ptr + tokens2 * X_STRIDE,
+        )  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
+        _store_h(acc2, pairs2, valid2, n0, bias, h_ptr, alpha, limit, N, BN, INTERPRET,
+                 TILE_ORDER, H_STRIDE)  # fmt: skip
+    else:
+        acc, _no_extra = _mxfp4_gemv(
+            block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
+            tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
+            TILE_ORDER, SCALE_WORDS, shifts,
+        )  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
+    _store_h(acc, pairs, valid, n0, bias, h_ptr, alpha, limit, N, BN, INTERPRET, TILE_ORDER,
+             H_STRIDE)  # fmt: skip
+
+
+@triton.jit
+def _store_h(acc, pairs, valid, n0, bias, h_ptr, alpha, limit, N: tl.constexpr,
+             BN: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
+             H_STRIDE: tl.constexpr):  # fmt: skip
+    """gate_up's epilogue: bias and the clamped SwiGLU of acc [BN, NC] (column c: pair c),
+    h stored at the units' down-GEMV positions of the valid pairs' rows."""
+    NC: tl.constexpr = acc.shape[1]
+    y = acc * ACC_SCALE + bias.to(tl.float32)[:, None]
+    gate, up = tl.split(tl.permute(tl.reshape(y, [BN // 2, 2, NC]), (0, 2, 1)))
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = _to_bf16(gate * tl.sigmoid(alpha * gate) * (up + 1.0), INTERPRET)  # [BN/2, COLS]
+    h = _to_bf16(gate * tl.sigmoid(alpha * gate) * (up + 1.0), INTERPRET)  # [BN/2, NC]
     units = n0 // 2 + tl.arange(0, BN // 2)  # units j, stored at their down-GEMV position
     if TILE_ORDER:
         if tl.program_id(0) == 0:  # the rows' padding to whole steps: zeros, read unmasked
@@ -257,10 +310,10 @@ def _columns_down_kernel(
     COLS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
-    H_STRIDE: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
+    H_STRIDE: tl.constexpr, SCALE_WORDS: tl.constexpr = False, EXTRA: tl.constexpr = 0,
 ):  # fmt: skip
     """y[pair, n0 : n0 + BN] fp32 = w_pair · (h_pair @ Wd[expert][rows]^T + bd[rows]); h rows
-    H_STRIDE apart, in tile order with TILE_ORDER, else in thread order."""
+    H_STRIDE apart, in tile order with TILE_ORDER, else in thread order. EXTRA: as gate_up's."""
     G: tl.constexpr = K // 32
     n0 = tl.program_id(0) * BN
     if PDL:
@@ -274,14 +327,39 @@ def _columns_down_kernel(
         blocks_ptr, scales_ptr, expert, n0, N, K, BN, SCALE_WORDS
     )
     col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * H_STRIDE
-    acc = _mxfp4_gemv(
-        block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
-        BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
-    )  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
     out_rows = n0 + tl.arange(0, BN)
     bias = tl.load(bias_ptr + expert * N + out_rows, mask=out_rows < N, other=0.0)
+    if EXTRA > 0:
+        taken, extra, pairs2, valid2, _tokens2 = _next_group_columns(
+            group_expert_ptr, group_pairs_ptr, tl.program_id(1), expert, TOP_K, COLS, EXTRA
+        )
+        if taken:
+            return
+    else:
+        extra: tl.constexpr = False
+    if extra:  # the extra MMA only where it is used
+        acc, acc2 = _mxfp4_gemv(
+            block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
+            BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
+            col_ptrs2=h_ptr + tl.where(valid2, pairs2, 0).to(tl.int64) * H_STRIDE,
+        )  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
+        _store_y(acc2, pairs2, valid2, out_rows, bias, routing_weights_ptr, y_ptr, stride_y, N)
+    else:
+        acc, _no_extra = _mxfp4_gemv(
+            block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
+            BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
+        )  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
+    _store_y(acc, pairs, valid, out_rows, bias, routing_weights_ptr, y_ptr, stride_y, N)
+
+
+@triton.jit
+def _store_y(acc, pairs, valid, out_rows, bias, routing_weights_ptr, y_ptr, stride_y,
+             N: tl.constexpr):  # fmt: skip
+    """down's epilogue: y[pair, out_rows] = w_pair · (acc · 2^62 + bias), the valid pairs."""
     weights = tl.load(routing_weights_ptr + pairs, mask=valid, other=0.0)
     y = (acc * ACC_SCALE + bias.to(tl.float32)[:, None]) * weights[None, :]
     ptrs = y_ptr + pairs.to(tl.int64)[None, :] * stride_y + out_rows[:, None]

@@ -185,7 +185,7 @@ def _gate_up_kernel(
     cols = tl.arange(0, 8)
     col_part = cols % SPLIT
     col_ptrs = x_thread_ptr + token * H + col_part * (32 * SPLIT_GROUPS)
-    acc = _mxfp4_gemv(
+    acc, _ = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, _part_groups(col_part, G, SPLIT_GROUPS),
         BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET,
     )  # fmt: skip
@@ -248,7 +248,7 @@ def _down_kernel(
     col_ptrs = h_ptr + (token * TOP_K + tl.minimum(col_slot, TOP_K - 1)) * K
     col_ptrs += col_part * (32 * SPLIT_GROUPS)
     col_groups = tl.where(col_slot < TOP_K, _part_groups(col_part, G, SPLIT_GROUPS), 0)
-    acc = _mxfp4_gemv(
+    acc, _ = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
         BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET,
     )  # fmt: skip

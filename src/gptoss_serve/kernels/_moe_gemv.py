@@ -213,13 +213,14 @@ def _gemv_step(
     acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
-    STEP_BYTES: tl.constexpr = 64,
+    STEP_BYTES: tl.constexpr = 64, acc2=None, col_ptrs2=None,
 ):  # fmt: skip
-    """One 128-column step; returns (acc, the next step's scales). STEP_BYTES: distance of a
-    row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows). SCALE_WORDS:
-    ``scale_rows`` are the scales' aligned 32-bit words and ``scale_shift`` the byte's bit
-    offset in them (``_scale_words``), and this step's scale is read here, by a plain load
-    the loop's pipeline issues stages ahead."""
+    """One 128-column step; returns (acc, the next step's scales, acc2). STEP_BYTES: distance
+    of a row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows).
+    SCALE_WORDS: ``scale_rows`` are the scales' aligned 32-bit words and ``scale_shift`` the
+    byte's bit offset in them (``_scale_words``), and this step's scale is read here, by a
+    plain load the loop's pipeline issues stages ahead. ``col_ptrs2`` (tile order only): a
+    second set of columns, multiplied by the same decoded tile into ``acc2``."""
     word_ptrs = (block_rows + step * STEP_BYTES).to(tl.pointer_type(tl.int32))
     word_ptrs = word_ptrs[:, None] + tl.arange(0, 4)[None, :]
     if MASK_K:
@@ -243,7 +244,10 @@ def _gemv_step(
     activations = _activation_tile(col_ptrs, col_groups, step, MASK_K and not TILE_ORDER,
                                    TILE_ORDER)  # fmt: skip
     acc = _dot(tile, activations, acc, INTERPRET)
-    return acc, next_scale
+    if col_ptrs2 is not None:
+        acc2 = _dot(tile, _activation_tile(col_ptrs2, None, step, False, TILE_ORDER), acc2,
+                    INTERPRET)  # fmt: skip
+    return acc, next_scale, acc2
 
 
 @triton.jit
@@ -252,9 +256,11 @@ def _mxfp4_gemv(
     BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
-    STEP_BYTES: tl.constexpr = 64,
+    STEP_BYTES: tl.constexpr = 64, col_ptrs2=None,
 ):  # fmt: skip
-    """acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns.
+    """(acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns, acc2):
+    with ``col_ptrs2`` [NC2] (tile order), acc2 [BN, NC2] is the same for those columns from
+    the same decoded tiles, else a [1, 1] zero.
 
     Per slot (``_tile_slots``): ``block_rows`` points at its row's bytes of group t of its first
     step (u8), ``scale_rows`` at that group's scale, and the row has ``row_groups`` valid groups
@@ -272,6 +278,10 @@ def _mxfp4_gemv(
     it behind their cp.async stream (bench/RESULTS.md v7b)."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
+    if col_ptrs2 is None:
+        acc2 = tl.zeros([1, 1], tl.float32)
+    else:
+        acc2 = tl.zeros([BN, col_ptrs2.shape[0]], tl.float32)
     if SCALE_WORDS:
         scale = tl.zeros_like(row_groups)  # each step reads its own
     else:
@@ -283,12 +293,12 @@ def _mxfp4_gemv(
     # step peeled off the loop would wait for its loads from HBM with nothing in flight.
     for step0 in tl.range(0, STEPS, UNROLL, num_stages=NUM_STAGES):
         for j in tl.static_range(UNROLL):
-            acc, scale = _gemv_step(
+            acc, scale, acc2 = _gemv_step(
                 acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
                 col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS,
-                scale_shift, STEP_BYTES,
+                scale_shift, STEP_BYTES, acc2, col_ptrs2,
             )  # fmt: skip
-    return acc
+    return acc, acc2
 
 
 @triton.jit

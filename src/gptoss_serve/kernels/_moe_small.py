@@ -90,6 +90,13 @@ class DecodeTiles:
     # group_columns: each step's scales as aligned 32-bit words through the loop's cp.async
     # pipeline, not one step ahead by ld.global.nc (_moe_gemv._mxfp4_gemv)
     scale_words: bool = False
+    # group_columns with tile_order: a group's program also multiplies the next group when
+    # that is its expert's last with at most this many pairs (0: never), as extra MMA columns
+    # of the same decoded tiles; that group's own program then returns at once
+    # (_moe_columns._next_group_columns). Near T · k / E ≈ group_size about half the experts
+    # overflow their first group by a few pairs, and a second group decodes every weight tile
+    # again for them.
+    next_group_columns: int = 0
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
 
@@ -121,6 +128,14 @@ class DecodeTiles:
             raise ValueError(f"wgmma_order is a tile_order option, got {self}")
         if self.scale_words and not self.group_columns:
             raise ValueError(f"scale_words is a group_columns option, got {self}")
+        extra = self.next_group_columns
+        if extra and not (
+            self.tile_order and extra in columns.GROUP_SIZES and 16 <= extra < self.group_size
+        ):
+            raise ValueError(
+                "next_group_columns needs tile_order and a group size in GROUP_SIZES, at least "
+                f"16 and below group_size, got {self}"
+            )
         # Groups of 64 on 16 rows a warp (64 rows of 4 warps, 128 of 8) gave wrong results now
         # and then on the H200 (Triton 3.6; bench/RESULTS.md v7b), where 32 rows a warp and
         # other group sizes passed every run: refused until understood.
@@ -197,12 +212,16 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # mma.sync row before, groups of 32 on 64-row tiles of 2 warps: 1,273 at 512, 1,464 at
     # 1024); 2048 / 8192 tokens, groups of 64: 1,703 / 4,946 (the grouped GEMMs 2,751 /
     # 7,896). Groups of 128 or 8-warp tiles lose at every size measured.
+    # From 385 tokens an expert's last group of up to 16 pairs rides as extra MMA columns on
+    # its previous group's program (next_group_columns; v10: MoE prefill at 2048 tokens 235 /
+    # 215 -> 304 / 275 TFLOP/s, 8192 350 / 328 -> 362 / 348, the whole decode step at batch
+    # 1024 83.2 -> 76.2 ms, at 512 51.8 -> 51.6; an always-on extra MMA lost 13% at 8192).
     (384, dataclasses.replace(_WGMMA_COLUMNS, group_size=16)),
     (1024, dataclasses.replace(
-        _WGMMA_COLUMNS, group_size=32, gate_up_stages=3, down_stages=3
+        _WGMMA_COLUMNS, group_size=32, gate_up_stages=3, down_stages=3, next_group_columns=16
     )),
     (DECODE_MAX_TOKENS, dataclasses.replace(
-        _WGMMA_COLUMNS, group_size=64, gate_up_stages=3, down_stages=3
+        _WGMMA_COLUMNS, group_size=64, gate_up_stages=3, down_stages=3, next_group_columns=16
     )),
 )  # fmt: skip
 
@@ -479,7 +498,7 @@ def launch_columns(
         **_full_steps(hidden), NUM_STAGES=tiles.gate_up_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=pdl,
-        X_STRIDE=x_thread.stride(0), **order,
+        X_STRIDE=x_thread.stride(0), EXTRA=tiles.next_group_columns, **order,
     )  # fmt: skip
     y = _scratch((num_pairs, hidden), torch.float32, device, poison)
     rows = tiles.down_rows
@@ -488,7 +507,8 @@ def launch_columns(
         weights.down_bias, y, y.stride(0), N=hidden, K=inter, TOP_K=top_k, BN=rows, COLS=cols,
         **_full_steps(inter), NUM_STAGES=tiles.down_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
-        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl, **order,
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
+        EXTRA=tiles.next_group_columns, **order,
     )  # fmt: skip
     sum_pairs(y, out, top_k)
 
