@@ -20,6 +20,11 @@ pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
    expert, bias and clamped SwiGLU in the epilogue, one column per pair.
 3. ``_columns_down_kernel``: y[pair] fp32 = w_pair · (h_pair @ Wd[expert]^T + bd) for BN rows;
    _moe_gemm._sum_pairs_kernel then adds each token's k pairs in slot order.
+
+With EXTRA (``DecodeTiles.next_group_columns``) the program of a group also takes the next
+group when it is the same expert's last with at most EXTRA pairs (``_next_group_columns``):
+a second dot on the same decoded tile, so an expert that overflows its first group by a few
+pairs (half of them at 2048 tokens) is decoded once, not twice.
 """
 
 # Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
