@@ -85,6 +85,22 @@ def reference_routing(x: torch.Tensor, weights: MoeWeights) -> tuple[torch.Tenso
     return expert_ids, routing_weights
 
 
+def assert_same_routing(
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expected_ids: torch.Tensor,
+    expected_weights: torch.Tensor,
+) -> None:
+    """Each token's experts and their weights equal the expected ones, in any order within the
+    top-k: near-equal logits inside the top 4 may come out in either order (fp32 summation
+    order), which changes only the rounding of the experts' sum."""
+    order = ids.long().argsort(dim=1)
+    expected_order = expected_ids.long().argsort(dim=1)
+    assert torch.equal(ids.long().gather(1, order), expected_ids.long().gather(1, expected_order))
+    assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order),
+                 max_rel=1e-5, rms_rel=1e-5)  # fmt: skip
+
+
 def clear_tokens(x: torch.Tensor, weights: MoeWeights) -> torch.Tensor:
     """[T] bool: tokens whose 4th and 5th fp32 logits differ by more than 1e-4. On the others
     either expert is right and fp32 summation order (~1e-7 here) decides."""

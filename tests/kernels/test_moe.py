@@ -16,6 +16,7 @@ from moe_cases import (
     INTERPRETING,
     MAX_REL,
     RMS_REL,
+    assert_same_routing,
     check_against_reference,
     clear_tokens,
     compile_sm90,
@@ -167,8 +168,8 @@ def check_routing(x: torch.Tensor, weights: MoeWeights, tiles) -> None:
     expert_ids, routing_weights, grouping = route_triton(x, weights, top_k=4, tiles=tiles)
     expected_ids, expected_weights = reference_routing(x, weights)
     clear = clear_tokens(x, weights)
-    assert torch.equal(expert_ids[clear].long(), expected_ids[clear])
-    assert_close(routing_weights[clear], expected_weights[clear], max_rel=1e-5, rms_rel=1e-5)
+    assert_same_routing(expert_ids[clear], routing_weights[clear], expected_ids[clear],
+                        expected_weights[clear])  # fmt: skip
     num_pairs = expert_ids.numel()
     order = grouping.sorted_pair_ids.long()
     assert torch.equal(order.sort().values, torch.arange(num_pairs, device=x.device))

@@ -16,6 +16,7 @@ from moe_cases import (
     INTERPRETING,
     MAX_REL,
     RMS_REL,
+    assert_same_routing,
     check_against_reference,
     clear_tokens,
     compile_sm90,
@@ -66,8 +67,8 @@ def check_decode_routing(x: torch.Tensor, weights: MoeWeights, tiles=None) -> No
     expected_ids, expected_weights = reference_routing(x, weights)
     clear = clear_tokens(x, weights)
     assert result.out is out
-    assert torch.equal(result.expert_ids[clear].long(), expected_ids[clear])
-    assert_close(result.routing_weights[clear], expected_weights[clear], max_rel=1e-5, rms_rel=1e-5)
+    assert_same_routing(result.expert_ids[clear], result.routing_weights[clear],
+                        expected_ids[clear], expected_weights[clear])  # fmt: skip
     expected = mxfp4_moe_reference(x, weights)
     assert_close(result.out[clear], expected[clear], max_rel=MAX_REL, rms_rel=RMS_REL)
 
@@ -220,8 +221,7 @@ def check_split_router(x: torch.Tensor, weights: MoeWeights, split_k: int, order
     _moe_small._launch_wide_router(x, weights, x_thread, ids, gates, split_k=split_k, order=order)
     expected_ids, expected_weights = reference_routing(x, weights)
     clear = clear_tokens(x, weights)
-    assert torch.equal(ids[clear].long(), expected_ids[clear])
-    assert_close(gates[clear], expected_weights[clear], max_rel=1e-5, rms_rel=1e-5)
+    assert_same_routing(ids[clear], gates[clear], expected_ids[clear], expected_weights[clear])
     expected = _moe_small.tile_order(x, order) if order else _moe_small.thread_order(x)
     assert torch.equal(x_thread, expected)
 
