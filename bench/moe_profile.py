@@ -288,16 +288,19 @@ def sweep_columns(weights: MoeWeights, case: Case, nbytes: dict, rows: list, rep
 
 def ncu_launches(weights: MoeWeights, variants: list[str]) -> None:
     """For Nsight Compute: each decode kernel launched twice at T = 1 and 16 for each tile
-    variant ("default", or "u<n>": gate_up and down unrolled n steps), the second launch inside
+    variant ("default": the table's row, or "u<n>": gate_up and down unrolled n steps on
+    max(2, 4 - n // 2) stages), the second launch inside
     an NVTX range "measure" (ncu --nvtx --nvtx-include "measure/"), in the printed order."""
     for tokens in (1, 16):
         case = make_case(weights, tokens, calls=1)
         for name in variants:
-            unroll = 1 if name == "default" else int(name[1:])
-            tiles = dataclasses.replace(
-                small.decode_tiles_for(tokens), gate_up_unroll=unroll, down_unroll=unroll,
-                gate_up_stages=max(2, 4 - unroll // 2), down_stages=max(2, 4 - unroll // 2),
-            )  # fmt: skip
+            tiles = small.decode_tiles_for(tokens)  # "default": the table's row as it is
+            if name != "default":
+                unroll = int(name[1:])
+                tiles = dataclasses.replace(
+                    tiles, gate_up_unroll=unroll, down_unroll=unroll,
+                    gate_up_stages=max(2, 4 - unroll // 2), down_stages=max(2, 4 - unroll // 2),
+                )  # fmt: skip
             for stage in ("gate_up", "down"):
                 fn = gate_up if stage == "gate_up" else down
                 fn(weights, case, 0, tiles)  # compiles
