@@ -63,6 +63,18 @@ def virtual_order(x: torch.Tensor) -> torch.Tensor:
 
 
 @gluon.jit
+def _decode_words(words, mult):
+    """int32 words [..., W] and their bf16x2 multipliers (_moe_gemv._DECODE_PTX) -> bf16
+    [..., W, 2 h, 2 a0, 2 a1]: nibble a + 4h of each word, a = 2·a1 + a0, in its layout."""
+    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+        _DECODE_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult],
+        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
+    )  # fmt: skip
+    return gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)),
+                   gl.join(gl.join(o4, o5), gl.join(o6, o7)))  # fmt: skip
+
+
+@gluon.jit
 def _producer(desc, bufs, ready, empty, NUM_STEPS: gl.constexpr):
     """1 warp: the program's rows, one [BR, 32]-word box per step, into the ring."""
     NUM_BUFFERS: gl.constexpr = bufs.type.shape[0]
@@ -104,14 +116,8 @@ def _consumer(bufs, ready, empty, xv_ptr, scales_ptr, out_ptr, NUM_STEPS: gl.con
         words = bufs.index(slot).load(words_layout)
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
-        mult = (scale + 64) * 0x00800080
-        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-            _DECODE_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult],
-            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
-        )  # fmt: skip
         # [BR, 32 words, h, a0, a1]: word 4c + t, nibble pair a = 2·a1 + a0, half h
-        tile = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)),
-                       gl.join(gl.join(o4, o5), gl.join(o6, o7)))  # fmt: skip
+        tile = _decode_words(words, (scale + 64) * 0x00800080)
         tile = gl.reshape(tile, [BR, 8, 4, 2, 2, 2])  # m c t h a0 a1
         tile = gl.permute(tile, (0, 1, 5, 4, 2, 3))  # m c a1 a0 t h
         a = gl.convert_layout(gl.reshape(tile, [BR, 256]), a_layout, assert_trivial=True)

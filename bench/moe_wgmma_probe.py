@@ -22,6 +22,7 @@ import sys
 
 import torch
 import triton
+from moe_gluon_probe import _decode_words
 from moe_layout_probe import parse_args, write_rows
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -36,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gptoss_serve.kernels import _moe_columns as columns
 from gptoss_serve.kernels import _moe_small as small
-from gptoss_serve.kernels._moe_gemv import _DECODE_PTX, ORDER_WGMMA
+from gptoss_serve.kernels._moe_gemv import ORDER_WGMMA
 from gptoss_serve.kernels.mxfp4 import dequantize_mxfp4
 from kernels import graph_time_ms
 
@@ -108,12 +109,7 @@ def _wgmma_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.con
             scale = gl.convert_layout(scale, gl.SliceLayout(1, words_layout))
             mult = (scale[:, None] + zero_t + 64) * 0x00800080
             words = w_bufs.index(slot).slice(4 * c, 4, dim=1).load(words_layout)
-            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-                _DECODE_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult],
-                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
-            )  # fmt: skip
-            tile = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)),
-                           gl.join(gl.join(o4, o5), gl.join(o6, o7)))  # fmt: skip
+            tile = _decode_words(words, mult)  # [BM, 4 t, h, a0, a1]
             tile = gl.permute(tile, (0, 4, 3, 1, 2))  # m a1 a0 t h
             a = gl.convert_layout(gl.reshape(tile, [BM, 32]), a_layout, assert_trivial=True)
             b = x_bufs.index(slot * 4 + c // 2).slice((c % 2) * 32, 32, dim=1).permute((1, 0))
