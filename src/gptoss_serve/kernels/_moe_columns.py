@@ -249,19 +249,19 @@ def _columns_gate_up_kernel(
     )
     if expert < 0:
         return
+    if EXTRA > 0:
+        taken, extra, pairs2, valid2, tokens2 = _next_group_columns(
+            group_expert_ptr, group_pairs_ptr, tl.program_id(1), expert, TOP_K, COLS, EXTRA
+        )
+        if taken:  # the previous group's program multiplies this one's pairs
+            return
+    else:
+        extra: tl.constexpr = False
     block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, H, BN, SCALE_WORDS
     )
     out_rows = n0 + tl.arange(0, BN)
     bias = tl.load(bias_ptr + expert * N + out_rows, mask=out_rows < N, other=0.0)
-    if EXTRA > 0:
-        taken, extra, pairs2, valid2, tokens2 = _next_group_columns(
-            group_expert_ptr, group_pairs_ptr, tl.program_id(1), expert, TOP_K, COLS, EXTRA
-        )
-        if taken:
-            return
-    else:
-        extra: tl.constexpr = False
     if extra:  # the extra MMA only where it is used
         acc, acc2 = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
@@ -328,20 +328,20 @@ def _columns_down_kernel(
     )
     if expert < 0:
         return
+    if EXTRA > 0:
+        taken, extra, pairs2, valid2, _tokens2 = _next_group_columns(
+            group_expert_ptr, group_pairs_ptr, tl.program_id(1), expert, TOP_K, COLS, EXTRA
+        )
+        if taken:  # the previous group's program multiplies this one's pairs
+            return
+    else:
+        extra: tl.constexpr = False
     block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, K, BN, SCALE_WORDS
     )
     col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * H_STRIDE
     out_rows = n0 + tl.arange(0, BN)
     bias = tl.load(bias_ptr + expert * N + out_rows, mask=out_rows < N, other=0.0)
-    if EXTRA > 0:
-        taken, extra, pairs2, valid2, _tokens2 = _next_group_columns(
-            group_expert_ptr, group_pairs_ptr, tl.program_id(1), expert, TOP_K, COLS, EXTRA
-        )
-        if taken:
-            return
-    else:
-        extra: tl.constexpr = False
     if extra:  # the extra MMA only where it is used
         acc, acc2 = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
