@@ -25,10 +25,10 @@ import triton
 from moe_layout_probe import (
     LAYERS,
     ROWS,
-    _real_k_kernel,
     layer_us,
     parse_args,
     random_layers,
+    real_k_launcher,
     write_rows,
 )
 from moe_tma_probe import _tma_ring
@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gptoss_serve.kernels._moe_gemv import _DECODE_PTX
-from gptoss_serve.kernels._moe_small import split_plan, thread_order
+from gptoss_serve.kernels._moe_small import thread_order
 from gptoss_serve.kernels.mxfp4 import dequantize_mxfp4
 from kernels import copy_tbps
 
@@ -196,17 +196,7 @@ def main() -> int:
     results = [{"config": "copy (SM kernel)", "tbps": round(copy_tbps(), 3)}]
     runs = []
     for bn, split, warps, stages in TRITON:
-        plan = split_plan(K, split)
-
-        def launch(bn=bn, split=split, warps=warps, stages=stages, plan=plan) -> None:
-            for layer in range(LAYERS):
-                _real_k_kernel[(ROWS * split // bn,)](
-                    x_thread, blocks[layer], scales[layer], out, BN=bn, SPLIT=split,
-                    SPLIT_GROUPS=plan["SPLIT_GROUPS"], STEPS=plan["STEPS"],
-                    FULL_STEPS=plan["FULL_STEPS"], NUM_STAGES=stages, num_warps=warps,
-                    num_stages=stages,
-                )  # fmt: skip
-
+        launch = real_k_launcher(x_thread, blocks, scales, out, ROWS, bn, split, warps, stages)
         runs.append((f"triton {bn} rows split {split} {warps} warps {stages} st", launch, 2.0**62))
     for br, buffers, maxnreg in CONFIGS:
         descs = [descriptor(blocks[layer].view(torch.int32).view(ROWS, -1), br)

@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -101,27 +102,34 @@ REAL_K_CONFIGS = [
 ]  # fmt: skip
 
 
-def real_k_rows(blocks, scales, x, out) -> list[dict]:
-    """Times REAL_K_CONFIGS over 36 layers (rows of 1,440 bytes)."""
+def real_k_launcher(x, blocks, scales, out, num_rows: int, bn: int, split: int, warps: int,
+                    stages: int) -> Callable[[], None]:  # fmt: skip
+    """LAYERS launches of _real_k_kernel (one per layer of ``blocks`` / ``scales``) over
+    ``num_rows`` rows, K = 2880 cut in ``split`` parts, into ``out``."""
     from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
 
+    plan = split_plan(2880, split)
+
+    def launch() -> None:
+        for layer in range(LAYERS):
+            _real_k_kernel[(num_rows * split // bn,)](
+                x, blocks[layer], scales[layer], out, BN=bn, SPLIT=split,
+                SPLIT_GROUPS=plan["SPLIT_GROUPS"], STEPS=plan["STEPS"],
+                FULL_STEPS=plan["FULL_STEPS"], NUM_STAGES=stages, num_warps=warps,
+                num_stages=stages,
+            )  # fmt: skip
+
+    return launch
+
+
+def real_k_rows(blocks, scales, x, out) -> list[dict]:
+    """Times REAL_K_CONFIGS over 36 layers (rows of 1,440 bytes)."""
     rows = []
     sys.stdout.write(
         f"\n{'K = 2880: rows tile split warps stages':<40} {'us/layer':>9} {'TB/s':>7}\n"
     )
     for num_rows, bn, split, warps, stages in REAL_K_CONFIGS:
-        plan = split_plan(2880, split)
-
-        def launch(num_rows=num_rows, bn=bn, split=split, warps=warps, stages=stages,
-                   plan=plan) -> None:  # fmt: skip
-            for layer in range(LAYERS):
-                _real_k_kernel[(num_rows * split // bn,)](
-                    x, blocks[layer], scales[layer], out, BN=bn, SPLIT=split,
-                    SPLIT_GROUPS=plan["SPLIT_GROUPS"], STEPS=plan["STEPS"],
-                    FULL_STEPS=plan["FULL_STEPS"], NUM_STAGES=stages, num_warps=warps,
-                    num_stages=stages,
-                )  # fmt: skip
-
+        launch = real_k_launcher(x, blocks, scales, out, num_rows, bn, split, warps, stages)
         us = statistics.median(graph_time_ms(launch, calls=LAYERS, repeats=20)) * 1e3
         tbps = num_rows * 1440 * 17 / 16 / (us * 1e-6) / 1e12
         name = f"{num_rows} {bn} {split} {warps} {stages}"
