@@ -1,0 +1,112 @@
+"""Prefill-attention launch-shape sweep on the GPU (H200): packed rows, keys per tile, warps and
+stages of ``_attention_prefill._prefill_kernel`` for one prompt of 2048 and 8192 tokens on a
+full-attention layer and a sliding-window one (120b heads: 64 query heads over 8 KV heads,
+head_dim 64, pages of 16 in random order).
+
+    python bench/attention_prefill_sweep.py [--out bench/results/attention_prefill_sweep.json]
+
+Each variant replaces the module's GPU_TILES and SLIDING_GPU_TILES for its run (the launcher
+reads them at launch); same CUDA-graph timing as bench/kernels.py. TFLOP/s counts the visible (token, key) pairs'
+QK^T and PV products, 4·D flops each per query head. Each variant's output is compared with
+the default tiles' (another key order, so bf16 rounding differs: max |diff| is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import json
+import logging
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from gpu_model import _normal
+from triton.runtime.errors import OutOfResources
+
+from gptoss_serve.checkpoint.presets import preset_config
+from gptoss_serve.config import ModelConfig
+from gptoss_serve.kernels import _attention_prefill as prefill
+from gptoss_serve.kernels.attention import paged_attention_prefill
+from kernels import commit, graph_time_ms
+
+logger = logging.getLogger("bench.attention_prefill_sweep")
+# (block_m, block_n, num_warps, num_stages); the first is the default.
+VARIANTS = [
+    (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4),
+    (128, 64, 8, 2), (256, 64, 8, 3), (256, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+    (128, 64, 8, 1), (128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2),
+    (256, 64, 8, 2), (64, 64, 2, 2), (64, 32, 2, 2), (32, 32, 2, 2), (64, 16, 4, 2),
+    (64, 32, 4, 3), (32, 32, 4, 2), (64, 32, 4, 1), (32, 16, 2, 2),
+]  # fmt: skip
+
+
+def visible_pairs(tokens: int, window: int | None) -> int:
+    """(query, key) pairs a causal prompt of ``tokens`` sees from an empty cache."""
+    if window is None:
+        return tokens * (tokens + 1) // 2
+    return sum(min(t + 1, window) for t in range(tokens))
+
+
+def _calls(queries: list, inputs: tuple, window: int | None, scale: float) -> list:
+    return [paged_attention_prefill(q, *inputs, window=window, scale=scale) for q in queries]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/attention_prefill_sweep.json"))
+    parser.add_argument("--tokens", type=int, nargs="*", default=[2048, 8192])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    config = ModelConfig.from_dict(preset_config("120b"))
+    a, kv, d, page = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 16
+    defaults = prefill.GPU_TILES, prefill.SLIDING_GPU_TILES
+    rows = []
+    for tokens in args.tokens:
+        blocks = -(-tokens // page)
+        shape = (blocks, page, kv, d)
+        k_cache, v_cache = _normal(shape, 1.0, "cuda"), _normal(shape, 1.0, "cuda")
+        tables = torch.randperm(blocks, device="cuda").to(torch.int32).view(1, -1)
+        starts = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+        seq_lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+        sinks = _normal((a,), 1.5, "cuda")
+        queries = [_normal((tokens, a, d), 1.0, "cuda") for _ in range(4)]
+        inputs = (k_cache, v_cache, tables, starts, seq_lens, sinks)
+        for window in (None, config.sliding_window):
+            flops = 4 * d * a * visible_pairs(tokens, window)
+            reference = None
+            for variant in VARIANTS:
+                prefill.GPU_TILES = prefill.SLIDING_GPU_TILES = prefill.PrefillTiles(*variant)
+                try:
+                    run = functools.partial(_calls, queries, inputs, window, d**-0.5)
+                    out = run()[0]
+                    times = graph_time_ms(run, calls=len(queries), repeats=10)
+                except OutOfResources as error:  # a variant that does not fit: report it
+                    logger.info("%s: %s", variant, str(error).splitlines()[0][:120])
+                    rows.append({"tokens": tokens, "window": window, "tiles": variant,
+                                 "error": str(error).splitlines()[0][:200]})  # fmt: skip
+                    continue
+                finally:
+                    prefill.GPU_TILES, prefill.SLIDING_GPU_TILES = defaults
+                reference = out if reference is None else reference
+                diff = (out.float() - reference.float()).abs().max().item()
+                us = statistics.median(times) * 1e3
+                tflops = flops / (us * 1e-6) / 1e12
+                logger.info("T %5d window %-4s tiles %-18s %9.1f us %7.1f TFLOP/s  diff %.2e",
+                            tokens, window, variant, us, tflops, diff)  # fmt: skip
+                rows.append({"tokens": tokens, "window": window, "tiles": variant,
+                             "us": round(us, 1), "tflops": round(tflops, 1),
+                             "max_abs_diff": diff})  # fmt: skip
+    out = {"device": torch.cuda.get_device_name(), "commit": commit(),
+           "date": dt.date.today().isoformat(), "rows": rows}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

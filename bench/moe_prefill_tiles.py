@@ -1,0 +1,95 @@
+"""The prefill MoE (grouped columns on wgmma) under other tiles of its table row, per kernel.
+
+    python bench/moe_prefill_tiles.py --tokens 2048 --variants 'gate_up_stages=4' ...
+                                      [--out bench/results/moe_prefill_tiles.json]
+
+A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing
+the fields of the table row that serves ``--tokens`` (as bench/step_tiles.py takes them). One
+120b layer on 4 random inputs: the median us per call of CUDA-graph replays (each variant
+between two runs of the table's row), the gate_up and down kernels' own us (torch.profiler),
+and the output's largest difference from the table's relative to its largest value (the same
+pairs' sums in another tile shape: equal to the bit, or bf16 rounding where the shapes differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from gpu_model import _normal, random_moe_weights
+from kernel_breakdown import kernel_times
+from step_tiles import parse_variant
+
+from gptoss_serve.checkpoint.presets import preset_config
+from gptoss_serve.config import ModelConfig
+from gptoss_serve.kernels import _moe_small as small
+from gptoss_serve.kernels.moe import mxfp4_moe_flops
+from kernels import commit, graph_time_ms
+
+logger = logging.getLogger("bench.moe_prefill_tiles")
+CALLS = 4
+
+
+def measure(xs: list, weights, tiles: small.DecodeTiles) -> dict:
+    def run() -> list:
+        return [small.mxfp4_moe_decode(x, weights, tiles=tiles).out for x in xs]
+
+    us = statistics.median(graph_time_ms(run, calls=CALLS, repeats=10)) * 1e3
+    kernels = {row["kernel"]: row["us"] / CALLS for row in kernel_times(run, calls=1)}
+    return {"us": us, "gate_up_us": kernels.get("_columns_gate_up_kernel"),
+            "down_us": kernels.get("_columns_down_kernel"), "out": run()[0]}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[2048])
+    parser.add_argument("--variants", nargs="*", default=[])
+    parser.add_argument("--out", type=Path, default=Path("results/moe_prefill_tiles.json"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    config = ModelConfig.from_dict(preset_config("120b"))
+    weights = random_moe_weights(config)
+    rows = []
+    for tokens in args.tokens:
+        xs = [_normal((tokens, config.hidden_size), 1.0, "cuda") for _ in range(CALLS)]
+        table = small.decode_tiles_for(tokens)
+        flops = mxfp4_moe_flops(tokens, weights)
+        base = measure(xs, weights, table)
+        scale = base["out"].float().abs().max().item()
+        for text in ["", *args.variants]:
+            try:
+                tiles = dataclasses.replace(table, **parse_variant(text)) if text else table
+            except ValueError as error:  # a tile the table would refuse: report it, go on
+                logger.info("T %d %s: %s", tokens, text, str(error)[:100])
+                rows.append({"tokens": tokens, "variant": text, "error": str(error)})
+                continue
+            result = measure(xs, weights, tiles)
+            again = measure(xs, weights, table)
+            diff = (result["out"].float() - base["out"].float()).abs().max().item() / scale
+            row = {"tokens": tokens, "variant": text or "table", "us": round(result["us"], 1),
+                   "table_us": round(again["us"], 1),
+                   "tflops": round(flops / (result["us"] * 1e-6) / 1e12, 1),
+                   "gate_up_us": result["gate_up_us"], "down_us": result["down_us"],
+                   "rel_diff": diff}  # fmt: skip
+            logger.info("T %d %-44s %8.1f us (table %8.1f) %6.1f TFLOP/s gate_up %s down %s "
+                        "diff %.1e", tokens, row["variant"], row["us"], row["table_us"],
+                        row["tflops"], row["gate_up_us"], row["down_us"], diff)  # fmt: skip
+            rows.append(row)
+    out = {"device": torch.cuda.get_device_name(), "commit": commit(),
+           "date": dt.date.today().isoformat(), "rows": rows}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
