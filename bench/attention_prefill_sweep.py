@@ -6,9 +6,10 @@ head_dim 64, pages of 16 in random order).
     python bench/attention_prefill_sweep.py [--out bench/results/attention_prefill_sweep.json]
 
 Each variant replaces the module's GPU_TILES and SLIDING_GPU_TILES for its run (the launcher
-reads them at launch); same CUDA-graph timing as bench/kernels.py. TFLOP/s counts the visible (token, key) pairs'
-QK^T and PV products, 4·D flops each per query head. Each variant's output is compared with
-the default tiles' (another key order, so bf16 rounding differs: max |diff| is reported).
+reads them at launch); same CUDA-graph timing as bench/kernels.py. TFLOP/s counts the visible
+(token, key) pairs' QK^T and PV products, 4·D flops each per query head. Each variant's output
+is compared with the default tiles' (another key order, so bf16 rounding differs: max |diff|
+is reported).
 """
 
 from __future__ import annotations

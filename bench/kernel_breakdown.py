@@ -59,8 +59,11 @@ def kernel_times(fn: Callable[[], object], calls: int, spans: dict | None = None
         for start, end in intervals:
             idle += max(0.0, start - reach)
             reach = max(reach, end)
-        spans.update(gpu_span_us=round((reach - intervals[0][0]) / calls, 1),
-                     gpu_idle_us=round(idle / calls, 1), host_us=round(host_us / calls, 1))
+        spans.update(
+            gpu_span_us=round((reach - intervals[0][0]) / calls, 1),
+            gpu_idle_us=round(idle / calls, 1),
+            host_us=round(host_us / calls, 1),
+        )
     total = sum(sum(v) for v in totals.values())
     rows = [
         {

@@ -17,6 +17,8 @@ Also: one o / q/k/v GEMV when its weights are in L2 (the same weight 36 times) a
 (36 layers' weights), per call.
 """
 
+# Triton's conventions: UPPER_CASE constexpr parameters.
+# ruff: noqa: N803
 from __future__ import annotations
 
 import argparse
@@ -168,6 +170,13 @@ def gemv_l2(step: DecodeStep) -> list[dict]:
 
 
 VARIANTS = [
+    ("empty",),
+    ("o@attn",),
+    ("o@qkv",),
+    ("qkv@moe",),
+    ("qkv@post",),
+    ("o@attn", "qkv@moe"),
+    ("o@attn", "qkv@post"),
     ("o@attn/132",),
     ("o@attn/side",),
     ("o@qkv/side",),
@@ -210,9 +219,11 @@ def main() -> int:
     table = [{"variant": name, "ms": [round(t, 4) for t in ts],
               "median_ms": round(statistics.median(ts), 4), "logits_equal": same[name]}
              for name, ts in results.items()]  # fmt: skip
-    print(f"\n{'variant':24} {'median ms':>10}  runs")
+    sys.stdout.write(f"\n{'variant':24} {'median ms':>10}  runs\n")
     for row in table:
-        print(f"{row['variant']:24} {row['median_ms']:10.4f}  {row['ms']}  {row['logits_equal']}")
+        sys.stdout.write(
+            f"{row['variant']:24} {row['median_ms']:10.4f}  {row['ms']}  {row['logits_equal']}\n"
+        )
     out = {"device": torch.cuda.get_device_name(), "commit": commit(),
            "date": dt.date.today().isoformat(), "l2_bytes": l2, "context": args.context,
            "gemv": gemv, "steps": table}  # fmt: skip

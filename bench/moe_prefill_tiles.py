@@ -38,11 +38,11 @@ logger = logging.getLogger("bench.moe_prefill_tiles")
 CALLS = 4
 
 
-def measure(xs: list, weights, tiles: small.DecodeTiles) -> dict:
+def measure(xs: list, weights, tiles: small.DecodeTiles, repeats: int = 10) -> dict:
     def run() -> list:
         return [small.mxfp4_moe_decode(x, weights, tiles=tiles).out for x in xs]
 
-    us = statistics.median(graph_time_ms(run, calls=CALLS, repeats=10)) * 1e3
+    us = statistics.median(graph_time_ms(run, calls=CALLS, repeats=repeats)) * 1e3
     kernels = {row["kernel"]: row["us"] / CALLS for row in kernel_times(run, calls=1)}
     return {"us": us, "gate_up_us": kernels.get("_columns_gate_up_kernel"),
             "down_us": kernels.get("_columns_down_kernel"), "out": run()[0]}  # fmt: skip
@@ -52,6 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[2048])
     parser.add_argument("--variants", nargs="*", default=[])
+    parser.add_argument("--repeats", type=int, default=10, help="timed replays of 4 calls")
     parser.add_argument("--out", type=Path, default=Path("results/moe_prefill_tiles.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -72,8 +73,8 @@ def main() -> int:
                 logger.info("T %d %s: %s", tokens, text, str(error)[:100])
                 rows.append({"tokens": tokens, "variant": text, "error": str(error)})
                 continue
-            result = measure(xs, weights, tiles)
-            again = measure(xs, weights, table)
+            result = measure(xs, weights, tiles, args.repeats)
+            again = measure(xs, weights, table, args.repeats)
             diff = (result["out"].float() - base["out"].float()).abs().max().item() / scale
             row = {"tokens": tokens, "variant": text or "table", "us": round(result["us"], 1),
                    "table_us": round(again["us"], 1),

@@ -173,10 +173,7 @@ def launch_prefill(
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    if q.is_cuda:
-        tiles = GPU_TILES if window is None else SLIDING_GPU_TILES
-    else:
-        tiles = CPU_TILES
+    tiles = (GPU_TILES if window is None else SLIDING_GPU_TILES) if q.is_cuda else CPU_TILES
     block_m = max(tiles.block_m, group_pad)
     block_q = block_m // group_pad
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
