@@ -15,9 +15,7 @@ is reported).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
-import json
 import logging
 import os
 import statistics
@@ -32,7 +30,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _attention_prefill as prefill
 from gptoss_serve.kernels.attention import paged_attention_prefill
-from kernels import commit, graph_time_ms
+from kernels import graph_time_ms, write_results
 
 logger = logging.getLogger("bench.attention_prefill_sweep")
 # (block_m, block_n, num_warps, num_stages); the first is the default.
@@ -102,10 +100,7 @@ def main() -> int:
                 rows.append({"tokens": tokens, "window": window, "tiles": variant,
                              "us": round(us, 1), "tflops": round(tflops, 1),
                              "max_abs_diff": diff})  # fmt: skip
-    out = {"device": torch.cuda.get_device_name(), "commit": commit(),
-           "date": dt.date.today().isoformat(), "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(args.out, rows=rows)
     return 0
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
-import json
 import logging
 import os
 import statistics
@@ -28,7 +26,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.engine.synthetic_weights import synthetic_weights
 from gptoss_serve.kernels import _attention_decode as decode
-from kernels import commit, graph_time_ms
+from kernels import graph_time_ms, write_results
 
 logger = logging.getLogger("bench.attention_split_step")
 
@@ -67,11 +65,7 @@ def main() -> int:
             logger.info("%s", row)
             rows.append(row)
         del step
-    out = {"device": torch.cuda.get_device_name(), "commit": commit(),
-           "date": dt.date.today().isoformat(), "default_split_min": default,
-           "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(args.out, default_split_min=default, rows=rows)
     return 0
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime as dt
-import json
 import logging
 import os
 import statistics
@@ -30,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels.moe import mxfp4_moe, mxfp4_moe_flops
-from kernels import capture_graph, commit, graph_time_ms
+from kernels import capture_graph, graph_time_ms, write_results
 
 logger = logging.getLogger("bench.kernel_breakdown")
 
@@ -94,8 +92,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     config = ModelConfig.from_dict(preset_config("120b"))
-    out: dict = {"device": torch.cuda.get_device_name(), "commit": commit(),
-                 "date": dt.date.today().isoformat(), "moe": [], "steps": []}  # fmt: skip
+    moe, steps = [], []
     weights = random_moe_weights(config)
     for tokens in args.moe_tokens:
         x = torch.randn(tokens, config.hidden_size, device="cuda").bfloat16()
@@ -104,7 +101,7 @@ def main() -> int:
         rows = kernel_times(lambda x=x, w=weights: mxfp4_moe(x, w), calls=5)
         tflops = mxfp4_moe_flops(tokens, weights) / (wall_us * 1e-6) / 1e12
         log_rows(f"MoE {tokens} tokens ({tflops:.1f} TFLOP/s)", rows, wall_us)
-        out["moe"].append({"tokens": tokens, "wall_us": round(wall_us, 1), "kernels": rows})
+        moe.append({"tokens": tokens, "wall_us": round(wall_us, 1), "kernels": rows})
     del weights
     torch.cuda.empty_cache()
     for batch in args.step_batches:
@@ -113,11 +110,10 @@ def main() -> int:
         graph = capture_graph(step)
         rows = kernel_times(graph.replay, calls=5)
         log_rows(f"decode step, batch {batch}, 1k context", rows, wall_us)
-        out["steps"].append({"batch": batch, "wall_us": round(wall_us, 1), "kernels": rows})
+        steps.append({"batch": batch, "wall_us": round(wall_us, 1), "kernels": rows})
         del step, graph
         torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(args.out, moe=moe, steps=steps)
     return 0
 
 

@@ -174,6 +174,14 @@ def commit() -> str:
         return "unknown"
 
 
+def write_results(path: Path, **fields: object) -> None:
+    """A bench script's JSON at ``path``: device, commit and date, then ``fields``."""
+    result = {"device": torch.cuda.get_device_name(), "commit": commit(),
+              "date": dt.date.today().isoformat(), **fields}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results/kernels.json")

@@ -22,9 +22,8 @@ Also: one o / q/k/v GEMV when its weights are in L2 (the same weight 36 times) a
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import logging
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -42,7 +41,7 @@ from gptoss_serve.kernels.linear import linear
 from gptoss_serve.kernels.moe import mxfp4_moe
 from gptoss_serve.kernels.norm import fused_add_rms_norm
 from gptoss_serve.kernels.sampling import sample_tokens
-from kernels import commit, graph_time_ms
+from kernels import graph_time_ms, write_results
 
 logger = logging.getLogger("bench.l2_prefetch_probe")
 CHUNK = 16384  # bytes per cp.async.bulk.prefetch.L2
@@ -70,47 +69,61 @@ def _prefetch_kernel(ptr, nbytes, CHUNKS: tl.constexpr, CHUNK_BYTES: tl.constexp
         gdc_wait()
 
 
-def prefetch(tensor: torch.Tensor | None, programs: int = 1, side: bool = False) -> None:
-    """L2 prefetch of ``tensor``'s bytes over ``programs`` programs (None: nothing to fetch);
-    ``side``: on the side stream (forked here, joined at the end of the step)."""
-    if tensor is None:
-        _prefetch_kernel[(1,)](prefetch.dummy, 0, CHUNKS=16, CHUNK_BYTES=CHUNK, PDL=True,
-                               num_warps=4, launch_pdl=True)  # fmt: skip
-        return
-    nbytes = tensor.numel() * tensor.element_size()
-    chunks = triton.next_power_of_2(-(-nbytes // (CHUNK * programs)))
-    args = (tensor.view(torch.uint8).view(-1), nbytes)
-    if side:
-        prefetch.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(prefetch.side):
-            _prefetch_kernel[(programs,)](*args, CHUNKS=chunks, CHUNK_BYTES=CHUNK, PDL=False,
-                                          num_warps=4)  # fmt: skip
-        return
-    _prefetch_kernel[(programs,)](*args, CHUNKS=chunks, CHUNK_BYTES=CHUNK, PDL=True,
-                                  num_warps=4, launch_pdl=True)  # fmt: skip
+class Prefetcher:
+    """Launches the prefetch kernel: on the step's stream (PDL), or on its own side stream,
+    forked from the step's at each launch and joined by ``join``."""
 
+    def __init__(self) -> None:
+        self.dummy = torch.zeros(16, dtype=torch.uint8, device="cuda")
+        self.side = torch.cuda.Stream()
 
-def at(points: frozenset, name: str, tensor: torch.Tensor | None) -> None:
-    """Prefetch ``tensor`` if point ``name`` is on, in any of its forms (plain, /132, /side)."""
-    if tensor is None:
-        return
-    if name in points:
-        prefetch(tensor)
-    if f"{name}/132" in points:
-        prefetch(tensor, programs=132)
-    if f"{name}/side" in points:
-        prefetch(tensor, programs=132, side=True)
+    def __call__(self, tensor: torch.Tensor | None, programs: int = 1, side: bool = False) -> None:
+        """L2 prefetch of ``tensor``'s bytes over ``programs`` programs (None: the kernel with
+        nothing to fetch); ``side``: on the side stream."""
+        if tensor is None:
+            _prefetch_kernel[(1,)](self.dummy, 0, CHUNKS=16, CHUNK_BYTES=CHUNK, PDL=True,
+                                   num_warps=4, launch_pdl=True)  # fmt: skip
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        chunks = triton.next_power_of_2(-(-nbytes // (CHUNK * programs)))
+        args = (tensor.view(torch.uint8).view(-1), nbytes)
+        if side:
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                _prefetch_kernel[(programs,)](*args, CHUNKS=chunks, CHUNK_BYTES=CHUNK,
+                                              PDL=False, num_warps=4)  # fmt: skip
+            return
+        _prefetch_kernel[(programs,)](*args, CHUNKS=chunks, CHUNK_BYTES=CHUNK, PDL=True,
+                                      num_warps=4, launch_pdl=True)  # fmt: skip
+
+    def at(self, points: frozenset, name: str, tensor: torch.Tensor | None) -> None:
+        """Prefetch ``tensor`` if point ``name`` is on, in any of its forms (plain, /132,
+        /side)."""
+        if tensor is None:
+            return
+        if name in points:
+            self(tensor)
+        if f"{name}/132" in points:
+            self(tensor, programs=132)
+        if f"{name}/side" in points:
+            self(tensor, programs=132, side=True)
+
+    def join(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.side)
 
 
 class PrefetchStep(DecodeStep):
-    """DecodeStep (triton, PDL) with prefetch kernels at ``points``."""
+    """DecodeStep (triton, PDL) with ``prefetcher``'s kernels at ``points``."""
 
-    points: frozenset = frozenset()
+    def __init__(self, prefetcher: Prefetcher, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefetcher = prefetcher
+        self.points: frozenset = frozenset()
 
     def __call__(self) -> torch.Tensor:
         config, weights = self.config, self.weights
         d, q_dim = config.head_dim, config.q_dim
-        x, residual, points = self.hidden, None, self.points
+        x, residual, points, fetch = self.hidden, None, self.points, self.prefetcher
         layers = weights.layers
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(layers, self.caches, strict=True)):
             attn = layer.attention
@@ -118,11 +131,11 @@ class PrefetchStep(DecodeStep):
             normed, residual = fused_add_rms_norm(
                 x, residual, attn.input_norm, config.rms_norm_eps, pdl=True
             )
-            at(points, "o@qkv", attn.o_weight)
+            fetch.at(points, "o@qkv", attn.o_weight)
             q = self._qkv_rope(attn, normed, k_cache, v_cache, {"pdl": True})
-            at(points, "o@attn", attn.o_weight)
+            fetch.at(points, "o@attn", attn.o_weight)
             if "empty" in points:
-                prefetch(None)
+                fetch(None)
             window = config.sliding_window if config.is_sliding(index) else None
             out = paged_attention_decode(
                 q, k_cache, v_cache, self.block_tables, self.seq_lens, attn.sinks,
@@ -132,17 +145,17 @@ class PrefetchStep(DecodeStep):
             normed, residual = fused_add_rms_norm(
                 x, residual, attn.post_norm, config.rms_norm_eps, pdl=True
             )
-            at(points, "qkv@moe", nxt)
+            fetch.at(points, "qkv@moe", nxt)
             if "empty" in points:
-                prefetch(None)
+                fetch(None)
             x = mxfp4_moe(normed, layer.moe, top_k=config.num_experts_per_tok, pdl=True)
-            at(points, "qkv@post", nxt)
+            fetch.at(points, "qkv@post", nxt)
         normed, _ = fused_add_rms_norm(
             x, residual, weights.final_norm, config.rms_norm_eps, pdl=True
         )
         logits = linear(normed, weights.lm_head, out_dtype=torch.float32, pdl=True)
         if any("/side" in p for p in points):
-            torch.cuda.current_stream().wait_stream(prefetch.side)
+            fetch.join()
         self.last_logits = logits
         return sample_tokens(logits, self.temperature, self.top_p, self.seeds, self.steps)
 
@@ -194,11 +207,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     config = ModelConfig.from_dict(preset_config("120b"))
-    step = PrefetchStep(config, batch=1, context=args.context, pdl=True)
-    prefetch.dummy = torch.zeros(16, dtype=torch.uint8, device="cuda")
-    prefetch.side = torch.cuda.Stream()
+    step = PrefetchStep(Prefetcher(), config, batch=1, context=args.context, pdl=True)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     logger.info("L2 %.1f MB", l2 / 1e6)
     gemv = gemv_l2(step)
@@ -224,11 +235,7 @@ def main() -> int:
         sys.stdout.write(
             f"{row['variant']:24} {row['median_ms']:10.4f}  {row['ms']}  {row['logits_equal']}\n"
         )
-    out = {"device": torch.cuda.get_device_name(), "commit": commit(),
-           "date": dt.date.today().isoformat(), "l2_bytes": l2, "context": args.context,
-           "gemv": gemv, "steps": table}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(args.out, l2_bytes=l2, context=args.context, gemv=gemv, steps=table)
     return 0
 
 

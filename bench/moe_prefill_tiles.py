@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
-import json
 import logging
 import os
 import statistics
@@ -32,7 +30,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _moe_small as small
 from gptoss_serve.kernels.moe import mxfp4_moe_flops
-from kernels import commit, graph_time_ms
+from kernels import graph_time_ms, write_results
 
 logger = logging.getLogger("bench.moe_prefill_tiles")
 CALLS = 4
@@ -85,10 +83,7 @@ def main() -> int:
                         "diff %.1e", tokens, row["variant"], row["us"], row["table_us"],
                         row["tflops"], row["gate_up_us"], row["down_us"], diff)  # fmt: skip
             rows.append(row)
-    out = {"device": torch.cuda.get_device_name(), "commit": commit(),
-           "date": dt.date.today().isoformat(), "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(args.out, rows=rows)
     return 0
 
 

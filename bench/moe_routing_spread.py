@@ -14,8 +14,6 @@ plus its extra columns (each costs a second decode of all its weights) and the g
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import logging
 import os
 import statistics
@@ -29,7 +27,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _moe_small as small
 from gptoss_serve.kernels.moe import mxfp4_moe, mxfp4_moe_flops, route, router_logits_reference
-from kernels import commit, graph_time_ms
+from kernels import graph_time_ms, write_results
 
 logger = logging.getLogger("bench.moe_routing_spread")
 
@@ -79,10 +77,7 @@ def main() -> int:
             logger.info("%s", row)
             rows.append(row)
         del weights
-    out = {"device": torch.cuda.get_device_name(), "commit": commit(), "tokens": args.tokens,
-           "date": dt.date.today().isoformat(), "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_results(args.out, tokens=args.tokens, rows=rows)
     return 0
 
 

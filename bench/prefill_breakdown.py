@@ -12,8 +12,6 @@ first token once untimed, then once timed, then once under the profiler.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import logging
 import os
 import sys
@@ -26,7 +24,7 @@ from gptoss_serve.benchmarks import engine_bench as eb
 from gptoss_serve.config import EngineConfig, SchedulerConfig
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.synthetic_weights import synthetic_model_config, synthetic_weights
-from kernels import commit
+from kernels import write_results
 
 logger = logging.getLogger("bench.prefill_breakdown")
 
@@ -42,8 +40,7 @@ def main() -> int:
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8), use_cuda_graphs=False)
     make_core, _, _ = build_engine(weights, config)
     model = weights.config
-    out: dict = {"device": torch.cuda.get_device_name(), "commit": commit(),
-                 "date": dt.date.today().isoformat(), "prefills": []}  # fmt: skip
+    prefills = []
 
     def prefill(length: int, seed: int) -> float:
         """Seconds of the engine's steps (as engine_bench times them)."""
@@ -58,10 +55,9 @@ def main() -> int:
         rows = kernel_times(lambda length=length: prefill(length, 3), calls=1, spans=spans)
         log_rows(f"prefill {length} ({length / wall_us * 1e6:.0f} tok/s)", rows, wall_us)
         logger.info("  %s", spans)
-        out["prefills"].append({"tokens": length, "wall_us": round(wall_us, 1), **spans,
-                                "kernels": rows})  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+        prefills.append({"tokens": length, "wall_us": round(wall_us, 1), **spans,
+                         "kernels": rows})  # fmt: skip
+    write_results(args.out, prefills=prefills)
     return 0
 
 
