@@ -32,8 +32,9 @@ logger = logging.getLogger("bench.attention_split_step")
 
 
 def timed(step: DecodeStep, split_min: int) -> tuple[float, torch.Tensor]:
-    default = decode.GPU_TILES
-    decode.GPU_TILES = dataclasses.replace(default, split_min=split_min)
+    default = decode.GPU_TILES  # batch 1's row
+    decode.GPU_TILES = ((1, dataclasses.replace(decode.gpu_tiles_for(1), split_min=split_min)),
+                        *default)  # fmt: skip
     try:
         ms = statistics.median(graph_time_ms(step, repeats=30))
     finally:
@@ -51,7 +52,7 @@ def main() -> int:
     seed = int.from_bytes(os.urandom(4), "little")
     config = ModelConfig.from_dict(preset_config("120b"))
     weights = synthetic_weights(config, device="cuda", seed=seed)
-    default = decode.GPU_TILES.split_min
+    default = decode.gpu_tiles_for(1).split_min
     rows = []
     for context in args.contexts:
         step = DecodeStep(config, batch=1, context=context, weights=weights, seed=seed, pdl=True)

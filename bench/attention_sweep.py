@@ -2,6 +2,9 @@
 tile, pipeline stages and warps, at batch 1 (1k to 128k context) and batch 32 (32k).
 
     python bench/attention_sweep.py [--out bench/results/attention_sweep.json] [--pdl]
+                                    [--variants 4,64,128,4,4 ...] [--cases 1:1024 8:1024 ...]
+
+A variant is (programs per SM, split cap, block_n, stages, warps); a case is batch:context.
 
 Each variant replaces the module's tile constants for its run (the kernels read them at launch),
 then the same CUDA-graph timing as bench/kernels.py: KV bytes / median time.
@@ -43,25 +46,35 @@ def main() -> int:
     parser.add_argument(
         "--pdl", action="store_true", help="PDL_VARIANTS as the engine launches them (PDL)"
     )
+    parser.add_argument("--variants", nargs="*", default=None, help="instead of the lists")
+    parser.add_argument("--cases", nargs="*", default=None, help="batch:context, not CASES")
     args = parser.parse_args()
+    cases = CASES
+    if args.cases:
+        cases = [tuple(int(v) for v in case.split(":")) for case in args.cases]
+    variants = PDL_VARIANTS if args.pdl else VARIANTS
+    if args.variants:
+        variants = [tuple(int(v) for v in text.split(",")) for text in args.variants]
     config = ModelConfig.from_dict(preset_config("120b"))
     copy = copy_tbps()
     default = (decode.PROGRAMS_PER_SM, decode.MAX_SPLITS, decode.GPU_TILES)
     rows = []
-    for pps, cap, block_n, stages, warps in PDL_VARIANTS if args.pdl else VARIANTS:
+    for variant in variants:
+        pps, cap, block_n, stages, warps = variant
         decode.PROGRAMS_PER_SM, decode.MAX_SPLITS = pps, cap
-        decode.GPU_TILES = decode.DecodeTiles(
+        tiles = decode.DecodeTiles(
             block_n=block_n, split_min=max(128, block_n), num_warps=warps, num_stages=stages
         )
-        tbps = [round(attention_decode_tbps(config, b, c, pdl=args.pdl), 3) for b, c in CASES]
-        rows.append({"variant": [pps, cap, block_n, stages, warps], "tbps": tbps})
+        decode.GPU_TILES = ((1 << 30, tiles),)  # every batch
+        tbps = [round(attention_decode_tbps(config, b, c, pdl=args.pdl), 3) for b, c in cases]
+        rows.append({"variant": list(variant), "tbps": tbps})
         torch.cuda.empty_cache()
     decode.PROGRAMS_PER_SM, decode.MAX_SPLITS, decode.GPU_TILES = default
     result = {"device": torch.cuda.get_device_name(), "copy_tbps": round(copy, 3),
-              "pdl": args.pdl, "cases": CASES, "rows": rows}  # fmt: skip
+              "pdl": args.pdl, "cases": cases, "rows": rows}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    header = " ".join(f"bs{b} {c // 1024}k".rjust(10) for b, c in CASES)
+    header = " ".join(f"bs{b} {c // 1024}k".rjust(10) for b, c in cases)
     sys.stdout.write(f"\ncopy {copy:.2f} TB/s\n{'pps,cap,block_n,stages,warps':30} {header}\n")
     for row in rows:
         cells = " ".join(f"{t:10.2f}" for t in row["tbps"])

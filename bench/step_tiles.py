@@ -1,11 +1,14 @@
 """The whole 120b decode step (PDL, CUDA graph: as bench/kernels.py times it) under other decode
-MoE tiles for one batch size, each variant timed between two runs of the table's tiles.
+MoE tiles (or decode-attention tiles) for one batch size, each variant timed between two runs
+of the table's tiles.
 
     python bench/step_tiles.py --batch 1 --variants 'gate_up_warps=8,gate_up_stages=4' ...
                                [--context 1024] [--out bench/results/step_tiles.json]
+    python bench/step_tiles.py --target attention --variants prefetch_keys=128 ...
 
 A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
-fields of the table row that serves ``--batch`` tokens (ints, ``None``, ``True``/``False``).
+fields of the table row that serves ``--batch`` tokens (ints, ``None``, ``True``/``False``);
+with ``--target attention``, of the ``_attention_decode.GPU_TILES`` row serving the batch.
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
@@ -29,6 +32,7 @@ from gpu_model import DecodeStep
 
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
+from gptoss_serve.kernels import _attention_decode as attention
 from gptoss_serve.kernels import _moe_small as small
 from kernels import commit, graph_time_ms
 
@@ -43,13 +47,28 @@ def parse_variant(text: str) -> dict:
     return fields
 
 
-def with_row(batch: int, fields: dict) -> tuple:
-    """DECODE_TILES with the row serving ``batch`` tokens replaced by ``fields``."""
-    index = next(i for i, (n, _) in enumerate(small.DECODE_TILES) if batch <= n)
-    bound, tiles = small.DECODE_TILES[index]
-    rows = list(small.DECODE_TILES)
+def with_row(table: tuple, batch: int, fields: dict) -> tuple:
+    """A (bound, tiles) table with the row serving ``batch`` replaced by ``fields``."""
+    index = next(i for i, (n, _) in enumerate(table) if batch <= n)
+    bound, tiles = table[index]
+    rows = list(table)
     rows[index] = (bound, dataclasses.replace(tiles, **fields))
     return tuple(rows)
+
+
+def apply(target: str, batch: int, fields: dict) -> None:
+    """Install the variant (``restore`` puts the defaults back)."""
+    if target == "attention":
+        attention.GPU_TILES = with_row(DEFAULTS["attention"], batch, fields)
+    else:
+        small.DECODE_TILES = with_row(DEFAULTS["moe"], batch, fields)
+
+
+def restore() -> None:
+    attention.GPU_TILES, small.DECODE_TILES = DEFAULTS["attention"], DEFAULTS["moe"]
+
+
+DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES}
 
 
 def time_step(step: DecodeStep) -> tuple[float, torch.Tensor]:
@@ -62,6 +81,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--variants", nargs="+", required=True)
+    parser.add_argument("--target", choices=("moe", "attention"), default="moe")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results/step_tiles.json"
     )
@@ -69,16 +89,15 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     config = ModelConfig.from_dict(preset_config("120b"))
     step = DecodeStep(config, batch=args.batch, context=args.context, pdl=True)
-    table = small.DECODE_TILES
     rows = []
     base_ms, base_logits = time_step(step)
     for text in args.variants:
         fields = parse_variant(text)
-        small.DECODE_TILES = with_row(args.batch, fields)
+        apply(args.target, args.batch, fields)
         try:
             ms, logits = time_step(step)
         finally:
-            small.DECODE_TILES = table
+            restore()
         again_ms, _ = time_step(step)
         table_ms = [round(base_ms, 4), round(again_ms, 4)]
         rows.append({"variant": text, "ms": round(ms, 4), "table_ms": table_ms,
@@ -87,8 +106,10 @@ def main() -> int:
     result = {
         "device": torch.cuda.get_device_name(), "commit": commit(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "batch": args.batch, "context": args.context,
-        "table_row": str(small.decode_tiles_for(args.batch)), "rows": rows,
+        "batch": args.batch, "context": args.context, "target": args.target,
+        "table_row": str(attention.gpu_tiles_for(args.batch) if args.target == "attention"
+                         else small.decode_tiles_for(args.batch)),
+        "rows": rows,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -42,12 +42,25 @@ class DecodeTiles:
     num_stages: int
 
 
-# H200: 64 keys x 128 B x (K + V) = 16 KiB per iteration. The block-table load takes one
-# pipeline stage of its own, so num_stages=5 keeps two K/V tiles in flight (3 or 4 keep one);
-# sm_90 AOT build: 80 registers, 37 KiB shared memory, mma.sync (16-row tiles), cp.async.
-GPU_TILES = DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)
+# H200, by batch (the first entry with batch <= its bound serves it; a CUDA graph's grid is
+# fixed by its batch, so the choice is too). Many sequences: 64 keys x 128 B x (K + V) = 16
+# KiB per iteration; the block-table load takes one pipeline stage of its own, so
+# num_stages=5 keeps two K/V tiles in flight (3 or 4 keep one); sm_90 AOT build: 80
+# registers, 37 KiB shared memory, mma.sync (16-row tiles), cp.async. Up to 16 sequences,
+# 128-key tiles on 4 stages (bench/RESULTS.md v12; PDL, TB/s, 64 -> 128 keys): batch 1 1k /
+# 32k 0.37 / 2.88 -> 0.43 / 2.97, batch 8 8k / 128k 2.83 / 3.54 -> 3.22 / 4.12, batch 16 1k
+# / 32k 1.86 / 3.95 -> 2.36 / 4.17; the whole 120b step at batch 1 / 16, 1k context, 2.44 /
+# 13.00 -> 2.40 / 12.87 ms. At batch 32 they lose from 8k context (3.90 -> 3.24 TB/s).
+GPU_TILES: tuple[tuple[int, DecodeTiles], ...] = (
+    (16, DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=4)),
+    (1 << 30, DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)),
+)
 # Interpreter: tiny tiles so small test sequences still span several tiles and splits.
 CPU_TILES = DecodeTiles(block_n=16, split_min=16, num_warps=1, num_stages=1)
+
+
+def gpu_tiles_for(batch: int) -> DecodeTiles:
+    return next((tiles for bound, tiles in GPU_TILES if batch <= bound), GPU_TILES[-1][1])
 
 
 @functools.cache
@@ -203,7 +216,7 @@ def launch_decode(
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    tiles = GPU_TILES if q.is_cuda else CPU_TILES
+    tiles = gpu_tiles_for(batch) if q.is_cuda else CPU_TILES
     max_keys = block_tables.shape[1] * page_size if max_seq_len is None else max_seq_len
     if window is not None:
         max_keys = min(max_keys, window)
