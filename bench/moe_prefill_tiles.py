@@ -43,7 +43,18 @@ def measure(xs: list, weights, tiles: small.DecodeTiles, repeats: int = 10) -> d
     us = statistics.median(graph_time_ms(run, calls=CALLS, repeats=repeats)) * 1e3
     kernels = {row["kernel"]: row["us"] / CALLS for row in kernel_times(run, calls=1)}
     return {"us": us, "gate_up_us": kernels.get("_columns_gate_up_kernel"),
-            "down_us": kernels.get("_columns_down_kernel"), "out": run()[0]}  # fmt: skip
+            "down_us": kernels.get("_columns_down_kernel"),
+            "router_us": _sum_of(kernels, ROUTER_KERNELS),
+            "grouping_us": _sum_of(kernels, GROUPING_KERNELS), "out": run()[0]}  # fmt: skip
+
+
+ROUTER_KERNELS = ("_router_split_kernel", "_router_finish_kernel")
+GROUPING_KERNELS = ("_count_kernel", "_block_table_kernel", "_scatter_kernel",
+                    "_table_groups_kernel")  # fmt: skip
+
+
+def _sum_of(kernels: dict, names: tuple[str, ...]) -> float:
+    return round(sum(kernels.get(name, 0.0) for name in names), 2)
 
 
 def main() -> int:
@@ -78,10 +89,12 @@ def main() -> int:
                    "table_us": round(again["us"], 1),
                    "tflops": round(flops / (result["us"] * 1e-6) / 1e12, 1),
                    "gate_up_us": result["gate_up_us"], "down_us": result["down_us"],
+                   "router_us": result["router_us"], "grouping_us": result["grouping_us"],
                    "rel_diff": diff}  # fmt: skip
             logger.info("T %d %-44s %8.1f us (table %8.1f) %6.1f TFLOP/s gate_up %s down %s "
-                        "diff %.1e", tokens, row["variant"], row["us"], row["table_us"],
-                        row["tflops"], row["gate_up_us"], row["down_us"], diff)  # fmt: skip
+                        "router %s grouping %s diff %.1e", tokens, row["variant"], row["us"],
+                        row["table_us"], row["tflops"], row["gate_up_us"], row["down_us"],
+                        row["router_us"], row["grouping_us"], diff)  # fmt: skip
             rows.append(row)
     write_results(args.out, rows=rows)
     return 0

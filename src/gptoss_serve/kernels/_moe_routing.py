@@ -130,26 +130,35 @@ def _write_block_table(
     BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr,
 ):  # fmt: skip
     """counts/expert_start [E_PAD] -> block_table rows (expert, row_start, row_end), num_blocks."""
+    tl.store(num_blocks_ptr, tl.sum((counts + BLOCK_M - 1) // BLOCK_M, 0))
+    b0 = tl.program_id(0) * 0  # a tensor: while, not range (the interpreter needs it)
+    while b0 < max_blocks:
+        _write_table_chunk(counts, expert_start, block_table_ptr, max_blocks, b0, BLOCK_M, CHUNK_B)
+        b0 += CHUNK_B
+
+
+@triton.jit
+def _write_table_chunk(
+    counts, expert_start, block_table_ptr, max_blocks, b0,
+    BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr,
+):  # fmt: skip
+    """Block table rows [b0, b0 + CHUNK_B) from counts/expert_start [E_PAD]."""
     experts = tl.arange(0, counts.shape[0])
     blocks_per_expert = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks_per_expert, 0)
     block_start = block_end - blocks_per_expert
-    tl.store(num_blocks_ptr, tl.sum(blocks_per_expert, 0))
-    b0 = tl.program_id(0) * 0  # a tensor: while, not range (the interpreter needs it)
-    while b0 < max_blocks:
-        blocks = b0 + tl.arange(0, CHUNK_B)
-        # Block b belongs to the first expert whose block range ends after b.
-        owner = tl.sum((block_end[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
-        hit = experts[None, :] == owner[:, None]
-        first_block = tl.sum(tl.where(hit, block_start[None, :], 0), axis=1)
-        segment_start = tl.sum(tl.where(hit, expert_start[None, :], 0), axis=1)
-        segment_end = segment_start + tl.sum(tl.where(hit, counts[None, :], 0), axis=1)
-        mask = blocks < max_blocks
-        tl.store(block_table_ptr + blocks, owner, mask=mask)
-        row_start = segment_start + (blocks - first_block) * BLOCK_M
-        tl.store(block_table_ptr + max_blocks + blocks, row_start, mask=mask)
-        tl.store(block_table_ptr + 2 * max_blocks + blocks, segment_end, mask=mask)
-        b0 += CHUNK_B
+    blocks = b0 + tl.arange(0, CHUNK_B)
+    # Block b belongs to the first expert whose block range ends after b.
+    owner = tl.sum((block_end[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+    hit = experts[None, :] == owner[:, None]
+    first_block = tl.sum(tl.where(hit, block_start[None, :], 0), axis=1)
+    segment_start = tl.sum(tl.where(hit, expert_start[None, :], 0), axis=1)
+    segment_end = segment_start + tl.sum(tl.where(hit, counts[None, :], 0), axis=1)
+    mask = blocks < max_blocks
+    tl.store(block_table_ptr + blocks, owner, mask=mask)
+    row_start = segment_start + (blocks - first_block) * BLOCK_M
+    tl.store(block_table_ptr + max_blocks + blocks, row_start, mask=mask)
+    tl.store(block_table_ptr + 2 * max_blocks + blocks, segment_end, mask=mask)
 
 
 @triton.jit
@@ -239,14 +248,17 @@ def _block_table_kernel(
     counts_ptr, cursor_ptr, block_table_ptr, num_blocks_ptr, num_experts, max_blocks,
     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr,
 ):  # fmt: skip
-    """Prefill, one program: expert segments from the counts; cursor = segment starts."""
+    """Prefill, one program per CHUNK_B rows of the block table: expert segments from the
+    counts (each program sums them itself); program 0 also writes cursor = segment starts and
+    num_blocks."""
     experts = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     expert_start = tl.cumsum(counts, 0) - counts
-    tl.store(cursor_ptr + experts, expert_start, mask=experts < num_experts)
-    _write_block_table(
-        counts, expert_start, block_table_ptr, num_blocks_ptr, max_blocks, BLOCK_M, CHUNK_B
-    )
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + experts, expert_start, mask=experts < num_experts)
+        tl.store(num_blocks_ptr, tl.sum((counts + BLOCK_M - 1) // BLOCK_M, 0))
+    _write_table_chunk(counts, expert_start, block_table_ptr, max_blocks,
+                       tl.program_id(0) * CHUNK_B, BLOCK_M, CHUNK_B)  # fmt: skip
 
 
 @triton.jit

@@ -72,6 +72,9 @@ class DecodeTiles:
     # -> 24.23 ms (2 or 1 tokens: about as fast, other bits).
     router_finish_tokens: int = 4
     router_block_k: int | None = None  # None: all of H in one step at T = 1, less as T grows
+    # Past ROUTER_MAX_TOKENS (the K-split router): columns of H and tokens per program.
+    router_split_k: int = ROUTER_SPLIT_K
+    router_block_t: int = 32
     # The routing from the router's last program (once) rather than a top-4 in every gate_up
     # program: that tail costs the router ~2 us, which the GEMVs win back from T ~ 8 on.
     route_in_router: bool = True
@@ -220,8 +223,13 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (1024, dataclasses.replace(
         _WGMMA_COLUMNS, group_size=32, gate_up_stages=3, down_stages=3, next_group_columns=16
     )),
+    # From 1025 tokens the K-split router takes 64 tokens and 768 columns a program (32 and
+    # 192 below): 77 -> 45 us a layer at 8192 tokens, 20.8 -> 19.4 at 2048 (v12,
+    # moe_prefill_tiles.py; other sums over K: the logits' last bits, so near-ties may route
+    # otherwise).
     (DECODE_MAX_TOKENS, dataclasses.replace(
-        _WGMMA_COLUMNS, group_size=64, gate_up_stages=3, down_stages=3, next_group_columns=16
+        _WGMMA_COLUMNS, group_size=64, gate_up_stages=3, down_stages=3, next_group_columns=16,
+        router_block_t=64, router_split_k=768,
     )),
 )  # fmt: skip
 
@@ -349,6 +357,7 @@ def launch_router(
         if not route:
             raise ValueError(f"past {ROUTER_MAX_TOKENS} tokens the router must write the routing")
         _launch_wide_router(x, weights, x_thread, ids, gates, pdl=_pdl(tiles), order=tiles.order,
+                            split_k=tiles.router_split_k, block_t=tiles.router_block_t,
                             finish_tokens=tiles.router_finish_tokens)  # fmt: skip
         return
     counter = weights.router_counter
@@ -375,6 +384,7 @@ def _launch_wide_router(
     *,
     pdl: bool = False,
     split_k: int = ROUTER_SPLIT_K,
+    block_t: int = 32,
     order: int = gemv.ORDER_THREAD,
     finish_tokens: int = DecodeTiles.router_finish_tokens,
 ) -> None:
@@ -384,7 +394,7 @@ def _launch_wide_router(
     tile_order = order != gemv.ORDER_THREAD
     num_tokens, hidden = x.shape
     top_k, num_experts = ids.shape[1], weights.num_experts
-    e_pad, block_t, block_k = max(16, _pow2(num_experts)), 32, min(64, split_k)
+    e_pad, block_k = max(16, _pow2(num_experts)), min(64, split_k)
     if tile_order:  # whole 128-column steps, each permuted in registers and stored at once
         block_k, split_k = 128, 128 * triton.cdiv(split_k, 128)
     num_parts = triton.cdiv(hidden, split_k)
@@ -553,9 +563,10 @@ def launch_block_table(
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     grid = (triton.cdiv(num_pairs, _PAIRS_BLOCK),)
     routing._count_kernel[grid](ids, counts, num_pairs, E_PAD=e_pad, BLOCK=_PAIRS_BLOCK)
-    routing._block_table_kernel[(1,)](
-        counts, cursor, block_table, num_blocks, num_experts, block_table.shape[1],
-        E_PAD=e_pad, BLOCK_M=block_m, CHUNK_B=TABLE_CHUNK,
+    max_blocks = block_table.shape[1]
+    routing._block_table_kernel[(triton.cdiv(max_blocks, _TABLE_CHUNK_PROGRAM),)](
+        counts, cursor, block_table, num_blocks, num_experts, max_blocks,
+        E_PAD=e_pad, BLOCK_M=block_m, CHUNK_B=_TABLE_CHUNK_PROGRAM,
     )  # fmt: skip
     routing._scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, BLOCK=_PAIRS_BLOCK)
 
@@ -582,7 +593,11 @@ def _group_by_table(
 
 _SUM_BLOCK = 1024
 _PAIRS_BLOCK = 1024  # pairs per program of the count and scatter kernels
-TABLE_CHUNK = 64  # row blocks per step of the block-table kernels
+TABLE_CHUNK = 64  # row blocks per step of the one-program block-table kernel (_moe_triton)
+# Row blocks per program of the prefill grouping's block-table kernel. It was one program
+# looping over chunks of TABLE_CHUNK: 19.5 / 54 us a layer at 2048 / 8192 tokens (the
+# engine's prefill, H200; bench/RESULTS.md v12).
+_TABLE_CHUNK_PROGRAM = 16
 _TABLE_GROUPS = 16  # groups per program of _table_groups_kernel
 _GROUP_FILL = 4096  # table entries cleared per step
 
