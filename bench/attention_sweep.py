@@ -57,19 +57,20 @@ def main() -> int:
         variants = [tuple(int(v) for v in text.split(",")) for text in args.variants]
     config = ModelConfig.from_dict(preset_config("120b"))
     copy = copy_tbps()
-    default = (decode.PROGRAMS_PER_SM, decode.MAX_SPLITS, decode.GPU_TILES)
+    default = (decode.MAX_SPLITS, decode.GPU_TILES)
     rows = []
     for variant in variants:
         pps, cap, block_n, stages, warps = variant
-        decode.PROGRAMS_PER_SM, decode.MAX_SPLITS = pps, cap
+        decode.MAX_SPLITS = cap
         tiles = decode.DecodeTiles(
-            block_n=block_n, split_min=max(128, block_n), num_warps=warps, num_stages=stages
-        )
+            block_n=block_n, split_min=max(128, block_n), num_warps=warps, num_stages=stages,
+            programs_per_sm=pps,
+        )  # fmt: skip
         decode.GPU_TILES = ((1 << 30, tiles),)  # every batch
         tbps = [round(attention_decode_tbps(config, b, c, pdl=args.pdl), 3) for b, c in cases]
         rows.append({"variant": list(variant), "tbps": tbps})
         torch.cuda.empty_cache()
-    decode.PROGRAMS_PER_SM, decode.MAX_SPLITS, decode.GPU_TILES = default
+    decode.MAX_SPLITS, decode.GPU_TILES = default
     result = {"device": torch.cuda.get_device_name(), "copy_tbps": round(copy, 3),
               "pdl": args.pdl, "cases": cases, "rows": rows}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ kernel finishes the job itself (no second launch, no partials: large batches).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class DecodeTiles:
     split_min: int  # fewest keys a split is given (a multiple of block_n)
     num_warps: int
     num_stages: int
+    programs_per_sm: int = PROGRAMS_PER_SM  # the grid's target (choose_num_splits)
 
 
 # H200, by batch (the first entry with batch <= its bound serves it; a CUDA graph's grid is
@@ -51,9 +53,14 @@ class DecodeTiles:
 # 32k 0.37 / 2.88 -> 0.43 / 2.97, batch 8 8k / 128k 2.83 / 3.54 -> 3.22 / 4.12, batch 16 1k
 # / 32k 1.86 / 3.95 -> 2.36 / 4.17; the whole 120b step at batch 1 / 16, 1k context, 2.44 /
 # 13.00 -> 2.40 / 12.87 ms. At batch 32 they lose from 8k context (3.90 -> 3.24 TB/s).
+# From 33 sequences a grid of 2 programs an SM, i.e. one split (no merge kernel) where 4
+# gave two: the whole step at batch 64, 1k / 8k context, 22.78-22.85 -> 22.59 / 27.66-27.74
+# -> 27.15 ms (at batch 32, 3 splits -> 2: even).
+_MANY_SEQS = DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)
 GPU_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (16, DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=4)),
-    (1 << 30, DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)),
+    (32, _MANY_SEQS),
+    (1 << 30, dataclasses.replace(_MANY_SEQS, programs_per_sm=2)),
 )
 # Interpreter: tiny tiles so small test sequences still span several tiles and splits.
 CPU_TILES = DecodeTiles(block_n=16, split_min=16, num_warps=1, num_stages=1)
@@ -71,11 +78,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_keys: int, sms: int, split_min: int
-) -> int:
-    """Splits per (sequence, KV head): enough programs for PROGRAMS_PER_SM waves over all SMs,
-    but never more than the longest visible context can fill at ``split_min`` keys each."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, batch * num_kv_heads)
+    batch: int, num_kv_heads: int, max_keys: int, sms: int, split_min: int,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+) -> int:  # fmt: skip
+    """Splits per (sequence, KV head): enough programs for ``programs_per_sm`` waves over all
+    SMs, but never more than the longest visible context can fill at ``split_min`` keys each."""
+    wanted = triton.cdiv(programs_per_sm * sms, batch * num_kv_heads)
     fillable = triton.cdiv(max(max_keys, 1), split_min)
     return max(1, min(wanted, fillable, MAX_SPLITS))
 
@@ -221,7 +229,7 @@ def launch_decode(
     if window is not None:
         max_keys = min(max_keys, window)
     num_splits = choose_num_splits(
-        batch, num_kv_heads, max_keys, num_sms(q.device), tiles.split_min
+        batch, num_kv_heads, max_keys, num_sms(q.device), tiles.split_min, tiles.programs_per_sm
     )
     fold_sink = num_splits == 1
     part_shape = (batch, num_heads, num_splits)
