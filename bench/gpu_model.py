@@ -39,12 +39,12 @@ class DecodeStep:
     per sequence, with static buffers so it can be captured in a CUDA graph. ``dense``:
     "triton" runs the projections through ``kernels.linear`` (the Triton GEMV at small batch)
     and q/k/v with RoPE and the cache write through ``qkv_rope_and_cache_write`` (one fused
-    kernel up to 8 tokens), as the engine does; "triton-unfused" the q/k/v GEMV and the RoPE
-    kernel apart; "cublas" the projections through torch's linear. ``weights`` (bf16): given,
-    or synthetic ones drawn from ``seed`` (default: torch's global seed); caches and input
-    come from ``seed`` + 1. ``pdl``: the kernels as programmatic dependent launches
-    (kernels/launch.py; ``pdl_moe`` for the MoE's, default ``pdl``). Each call keeps its
-    logits in ``last_logits``."""
+    kernel up to ``linear.GEMV_MAX_TOKENS``), as the engine does; "triton-unfused" the q/k/v
+    GEMV and the RoPE kernel apart; "cublas" the projections through torch's linear.
+    ``weights`` (bf16): given, or synthetic ones drawn from ``seed`` (default: torch's global
+    seed); caches and input come from ``seed`` + 1. ``pdl``: the kernels as programmatic
+    dependent launches (kernels/launch.py; ``pdl_moe`` for the MoE's, default ``pdl``). Each
+    call keeps its logits in ``last_logits``."""
 
     def __init__(
         self, config: ModelConfig, *, batch: int, context: int, block_size: int = 16,

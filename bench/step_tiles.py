@@ -4,11 +4,14 @@ of the table's tiles.
 
     python bench/step_tiles.py --batch 1 --variants 'gate_up_warps=8,gate_up_stages=4' ...
                                [--context 1024] [--out bench/results/step_tiles.json]
-    python bench/step_tiles.py --target attention --variants prefetch_keys=128 ...
+    python bench/step_tiles.py --target attention --variants block_n=128,num_stages=4 ...
+    python bench/step_tiles.py --target dense --batch 8 --variants gemv_max_tokens=4 ...
 
 A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
 fields of the table row that serves ``--batch`` tokens (ints, ``None``, ``True``/``False``);
-with ``--target attention``, of the ``_attention_decode.GPU_TILES`` row serving the batch.
+with ``--target attention``, of the ``_attention_decode.GPU_TILES`` row serving the batch;
+with ``--target dense``, ``gemv_max_tokens`` replaces ``linear.GEMV_MAX_TOKENS`` (the largest
+batch whose projections take the Triton GEMV rather than cuBLAS).
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
@@ -34,6 +37,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _attention_decode as attention
 from gptoss_serve.kernels import _moe_small as small
+from gptoss_serve.kernels import linear
 from kernels import commit, graph_time_ms
 
 LITERALS = {"None": None, "True": True, "False": False}
@@ -60,15 +64,21 @@ def apply(target: str, batch: int, fields: dict) -> None:
     """Install the variant (``restore`` puts the defaults back)."""
     if target == "attention":
         attention.GPU_TILES = with_row(DEFAULTS["attention"], batch, fields)
+    elif target == "dense":
+        linear.GEMV_MAX_TOKENS = fields.pop("gemv_max_tokens")
+        if fields:
+            raise ValueError(f"dense variants take gemv_max_tokens only, got {fields}")
     else:
         small.DECODE_TILES = with_row(DEFAULTS["moe"], batch, fields)
 
 
 def restore() -> None:
     attention.GPU_TILES, small.DECODE_TILES = DEFAULTS["attention"], DEFAULTS["moe"]
+    linear.GEMV_MAX_TOKENS = DEFAULTS["dense"]
 
 
-DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES}
+DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
+            "dense": linear.GEMV_MAX_TOKENS}  # fmt: skip
 
 
 def time_step(step: DecodeStep) -> tuple[float, torch.Tensor]:
@@ -81,7 +91,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--variants", nargs="+", required=True)
-    parser.add_argument("--target", choices=("moe", "attention"), default="moe")
+    parser.add_argument("--target", choices=("moe", "attention", "dense"), default="moe")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results/step_tiles.json"
     )
@@ -107,8 +117,9 @@ def main() -> int:
         "device": torch.cuda.get_device_name(), "commit": commit(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "batch": args.batch, "context": args.context, "target": args.target,
-        "table_row": str(attention.gpu_tiles_for(args.batch) if args.target == "attention"
-                         else small.decode_tiles_for(args.batch)),
+        "table_row": str({"attention": attention.gpu_tiles_for(args.batch),
+                          "dense": f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS}"}.get(
+                              args.target, small.decode_tiles_for(args.batch))),
         "rows": rows,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import torch
 from compare import assert_close, poisoned
 
 from gptoss_serve.config import RopeConfig
-from gptoss_serve.kernels.linear import linear
+from gptoss_serve.kernels.linear import GEMV_MAX_TOKENS, linear
 from gptoss_serve.kernels.rope import (
     apply_rope,
     qkv_rope_and_cache_write,
@@ -255,9 +255,9 @@ def test_fused_qkv_kernel_gpu(tokens: int) -> None:
 
 @pytest.mark.gpu
 @not_interpreted
-@pytest.mark.parametrize("tokens", [1, 8, 9])
+@pytest.mark.parametrize("tokens", [1, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, 8])
 def test_fused_qkv_dispatch_gpu(tokens: int) -> None:
-    """The op (fused GEMV up to 8 tokens, linear + rope kernel beyond) against the unfused
+    """The op (fused GEMV up to GEMV_MAX_TOKENS, linear + rope kernel beyond) against the unfused
     kernels: the same bf16 q/k/v values, so the same outputs up to an output rounding."""
     x, weight, bias, positions, inv_freq, cache, slots = _qkv_case((tokens, 64, 8, 64, 2880),
                                                                    "cuda")  # fmt: skip

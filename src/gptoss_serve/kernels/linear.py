@@ -19,8 +19,12 @@ logger = logging.getLogger(__name__)
 
 # Token counts up to which the GEMV runs: it keeps the weight tile in registers and loops over
 # the tokens on the CUDA cores, so its arithmetic grows with T while cuBLAS's tensor cores
-# would not (bench/step_profile.py times both).
-GEMV_MAX_TOKENS = 8
+# would not. Measured on the whole 120b decode step (H200, PDL, CUDA graph; bench/RESULTS.md
+# v12, `step_tiles.py --target dense`), GEMV against cuBLAS: batch 1 2.40 against 2.77 ms,
+# batch 2 3.53 against 3.56, batch 4 5.90 against 5.25, batch 8 9.68 against 7.61 (it was 8
+# until then: the unembedding alone took 1,056 us at 8 tokens through the GEMV, 281 through
+# cuBLAS).
+GEMV_MAX_TOKENS = 2
 
 
 @dataclass(frozen=True)
