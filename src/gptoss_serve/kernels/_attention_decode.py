@@ -67,6 +67,7 @@ CPU_TILES = DecodeTiles(block_n=16, split_min=16, num_warps=1, num_stages=1)
 
 
 def gpu_tiles_for(batch: int) -> DecodeTiles:
+    """The GPU_TILES row serving a decode batch of ``batch`` sequences."""
     return next((tiles for bound, tiles in GPU_TILES if batch <= bound), GPU_TILES[-1][1])
 
 
