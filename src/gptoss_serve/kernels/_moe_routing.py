@@ -130,23 +130,31 @@ def _write_block_table(
     BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr,
 ):  # fmt: skip
     """counts/expert_start [E_PAD] -> block_table rows (expert, row_start, row_end), num_blocks."""
-    tl.store(num_blocks_ptr, tl.sum((counts + BLOCK_M - 1) // BLOCK_M, 0))
+    block_start, block_end = _expert_blocks(counts, BLOCK_M)
+    tl.store(num_blocks_ptr, tl.max(block_end, 0))
     b0 = tl.program_id(0) * 0  # a tensor: while, not range (the interpreter needs it)
     while b0 < max_blocks:
-        _write_table_chunk(counts, expert_start, block_table_ptr, max_blocks, b0, BLOCK_M, CHUNK_B)
+        _write_table_chunk(counts, expert_start, block_start, block_end, block_table_ptr,
+                           max_blocks, b0, BLOCK_M, CHUNK_B)  # fmt: skip
         b0 += CHUNK_B
 
 
 @triton.jit
-def _write_table_chunk(
-    counts, expert_start, block_table_ptr, max_blocks, b0,
-    BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr,
-):  # fmt: skip
-    """Block table rows [b0, b0 + CHUNK_B) from counts/expert_start [E_PAD]."""
-    experts = tl.arange(0, counts.shape[0])
+def _expert_blocks(counts, BLOCK_M: tl.constexpr):
+    """counts [E_PAD] -> each expert's first block and the block after its last (its blocks
+    of up to BLOCK_M rows, experts in order); the last end is the number of blocks."""
     blocks_per_expert = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks_per_expert, 0)
-    block_start = block_end - blocks_per_expert
+    return block_end - blocks_per_expert, block_end
+
+
+@triton.jit
+def _write_table_chunk(
+    counts, expert_start, block_start, block_end, block_table_ptr, max_blocks, b0,
+    BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr,
+):  # fmt: skip
+    """Block table rows [b0, b0 + CHUNK_B) from counts/expert_start and ``_expert_blocks``."""
+    experts = tl.arange(0, counts.shape[0])
     blocks = b0 + tl.arange(0, CHUNK_B)
     # Block b belongs to the first expert whose block range ends after b.
     owner = tl.sum((block_end[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
@@ -254,10 +262,11 @@ def _block_table_kernel(
     experts = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     expert_start = tl.cumsum(counts, 0) - counts
+    block_start, block_end = _expert_blocks(counts, BLOCK_M)
     if tl.program_id(0) == 0:
         tl.store(cursor_ptr + experts, expert_start, mask=experts < num_experts)
-        tl.store(num_blocks_ptr, tl.sum((counts + BLOCK_M - 1) // BLOCK_M, 0))
-    _write_table_chunk(counts, expert_start, block_table_ptr, max_blocks,
+        tl.store(num_blocks_ptr, tl.max(block_end, 0))
+    _write_table_chunk(counts, expert_start, block_start, block_end, block_table_ptr, max_blocks,
                        tl.program_id(0) * CHUNK_B, BLOCK_M, CHUNK_B)  # fmt: skip
 
 

@@ -383,8 +383,8 @@ def _launch_wide_router(
     gates: torch.Tensor,
     *,
     pdl: bool = False,
-    split_k: int = ROUTER_SPLIT_K,
-    block_t: int = 32,
+    split_k: int = DecodeTiles.router_split_k,
+    block_t: int = DecodeTiles.router_block_t,
     order: int = gemv.ORDER_THREAD,
     finish_tokens: int = DecodeTiles.router_finish_tokens,
 ) -> None:
