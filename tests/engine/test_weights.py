@@ -174,8 +174,9 @@ def _flat(weights: ModelWeights) -> dict[str, torch.Tensor]:
     for index, layer in enumerate(weights.layers):
         for part in (layer.attention, layer.moe):
             for field in dataclasses.fields(part):
-                if field.name != "router_counter":  # scratch, not a weight
-                    tensors[f"{index}.{field.name}"] = getattr(part, field.name)
+                value = getattr(part, field.name)  # not step_rows (a layout), not scratch:
+                if isinstance(value, torch.Tensor) and field.name != "router_counter":
+                    tensors[f"{index}.{field.name}"] = value
     return tensors
 
 

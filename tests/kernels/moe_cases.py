@@ -134,6 +134,8 @@ def compile_sm90(kernel, constexprs: dict, pointers: dict, options: dict) -> str
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
+    if "LB" in kernel.arg_names:  # the blocks' step rows (mxfp4_layout.py): 1 unless given
+        constexprs = {"LB": 1} | constexprs
     scalars = {"alpha": "fp32", "limit": "fp32"}
     signature = {  # in argument order
         name: "constexpr"

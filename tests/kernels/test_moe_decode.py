@@ -471,9 +471,11 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
     for num_tokens, block_k in [(1, 4096), (16, 256)]:
         router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts)
         router |= dict(BLOCK_K=tiles.router_block_k or block_k, PDL=tiles.pdl)
-        router |= dict(TOP_K=4, ROUTE=tiles.route_in_router)
+        router |= dict(TOP_K=4, ROUTE=tiles.route_in_router, PRELOAD=tiles.router_preload)
         ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
         assert ".local" not in ptx
+        if tiles.pdl and tiles.router_preload and num_tokens == 1:  # weights before the wait
+            assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
 
 
 def columns_ptx(tiles) -> list[str]:

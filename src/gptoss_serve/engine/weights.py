@@ -6,13 +6,16 @@ a layer is just its tensors. Two choices of layout:
 
 - q, k and v projections are stacked into one [Q + 2K, H] matrix (and one bias), so one GEMV
   computes all three; the split after it is a view.
-- the MoE stays exactly as released (``MoeWeights``: MXFP4 blocks and E8M0 scales uint8, router
+- the MoE stays MXFP4 as released (``MoeWeights``: MXFP4 blocks and E8M0 scales uint8, router
   and biases bf16) whatever the compute dtype; in float32 "verification mode" the MoE
-  reference upcasts inside. Every other tensor is cast to ``dtype``.
+  reference upcasts inside. On CUDA the blocks' bytes are reordered into the kernels'
+  step-rows layout (kernels/mxfp4_layout.py: same size, one layer's blocks copied at a time;
+  the reference undoes it). Every other tensor is cast to ``dtype``.
 
 ``load_weights`` streams a checkpoint tensor by tensor straight to the device and builds each
 layer as soon as its last tensor arrives, so memory peaks at the weights plus one file's worth
-of not-yet-complete layers; the qkv concat is the only copy. synthetic_weights.py feeds the
+of not-yet-complete layers; the qkv concat and, on CUDA, the blocks' re-layout are the only
+copies. synthetic_weights.py feeds the
 same ``WeightsBuilder`` with random tensors.
 """
 
@@ -141,7 +144,7 @@ def build_layer(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Laye
         **{field: tensors[name].to(dtype) for field, name in _ATTENTION.items()},
     )
     moe = MoeWeights.from_checkpoint(**{field: tensors[name] for field, name in _MOE.items()})
-    return LayerWeights(attention, moe)
+    return LayerWeights(attention, moe.for_kernels())  # on CUDA the kernels' blocks layout
 
 
 class WeightsBuilder:

@@ -42,6 +42,7 @@ from gptoss_serve.kernels._moe_gemv import (
     ACC_SCALE,
     _mxfp4_gemv,
     _scale_words,
+    _slot_blocks,
     _tile_slots,
 )
 
@@ -168,9 +169,11 @@ def _next_group_columns(group_expert_ptr, group_pairs_ptr, group, expert, TOP_K:
 
 @triton.jit
 def _expert_rows(blocks_ptr, scales_ptr, expert, n0, N: tl.constexpr, K: tl.constexpr,
-                 BN: tl.constexpr, SCALE_WORDS: tl.constexpr = False):  # fmt: skip
+                 BN: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
+                 LB: tl.constexpr = 1):  # fmt: skip
     """The GEMV slots of rows [n0, n0 + BN) of ``expert``'s [N, K] MXFP4 matrix, unsplit:
-    (block pointers, scale pointers, valid groups per slot, group lane t, scale shifts).
+    (block pointers, scale pointers, valid groups per slot, group lane t, scale shifts, and
+    the band's tail step and pointer fix: _moe_gemv._slot_blocks, blocks in bands of LB rows).
     SCALE_WORDS: the scale pointers point at aligned words and the shifts pick the byte
     (_moe_gemv._scale_words); else the shifts are unused (t)."""
     G: tl.constexpr = K // 32
@@ -178,13 +181,15 @@ def _expert_rows(blocks_ptr, scales_ptr, expert, n0, N: tl.constexpr, K: tl.cons
     row = n0 + rows
     row_groups = tl.where(row < N, G, 0)
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
-    block_rows = blocks_ptr + expert * (N * K // 2) + row * (K // 2) + 16 * t
+    block_rows, tail_step, tail_fix = _slot_blocks(
+        blocks_ptr + expert * (N * K // 2), row, t, G, LB
+    )
     scale_offsets = expert * (N * G) + row * G + t
     if SCALE_WORDS:
         scale_rows, shifts = _scale_words(scales_ptr, scale_offsets)
     else:
         scale_rows, shifts = scales_ptr + scale_offsets, t
-    return block_rows, scale_rows, row_groups, t, shifts
+    return block_rows, scale_rows, row_groups, t, shifts, tail_step, tail_fix
 
 
 @triton.jit
@@ -233,7 +238,7 @@ def _columns_gate_up_kernel(
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
     X_STRIDE: tl.constexpr, H_STRIDE: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
-    EXTRA: tl.constexpr = 0,
+    EXTRA: tl.constexpr = 0, LB: tl.constexpr = 1,
 ):  # fmt: skip
     """h[pair, units of rows n0 .. n0 + BN) for the group's pairs (rows interleaved gate/up).
     x rows (X_STRIDE apart) and the h rows written (H_STRIDE apart) are in the order
@@ -257,8 +262,8 @@ def _columns_gate_up_kernel(
             return
     else:
         extra: tl.constexpr = False
-    block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
-        blocks_ptr, scales_ptr, expert, n0, N, H, BN, SCALE_WORDS
+    block_rows, scale_rows, row_groups, t, shifts, tail_step, tail_fix = _expert_rows(
+        blocks_ptr, scales_ptr, expert, n0, N, H, BN, SCALE_WORDS, LB
     )
     out_rows = n0 + tl.arange(0, BN)
     bias = tl.load(bias_ptr + expert * N + out_rows, mask=out_rows < N, other=0.0)
@@ -266,7 +271,8 @@ def _columns_gate_up_kernel(
         acc, acc2 = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
-            TILE_ORDER, SCALE_WORDS, shifts, col_ptrs2=x_thread_ptr + tokens2 * X_STRIDE,
+            TILE_ORDER, SCALE_WORDS, shifts, LB * 64, x_thread_ptr + tokens2 * X_STRIDE, tail_step,
+            tail_fix,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -276,7 +282,7 @@ def _columns_gate_up_kernel(
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
-            TILE_ORDER, SCALE_WORDS, shifts,
+            TILE_ORDER, SCALE_WORDS, shifts, LB * 64, tail_step=tail_step, tail_fix=tail_fix,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -316,6 +322,7 @@ def _columns_down_kernel(
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, NUM_STAGES: tl.constexpr, PTX: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr, TILE_ORDER: tl.constexpr,
     H_STRIDE: tl.constexpr, SCALE_WORDS: tl.constexpr = False, EXTRA: tl.constexpr = 0,
+    LB: tl.constexpr = 1,
 ):  # fmt: skip
     """y[pair, n0 : n0 + BN] fp32 = w_pair · (h_pair @ Wd[expert][rows]^T + bd[rows]); h rows
     H_STRIDE apart, in tile order with TILE_ORDER, else in thread order. EXTRA: as gate_up's."""
@@ -336,8 +343,8 @@ def _columns_down_kernel(
             return
     else:
         extra: tl.constexpr = False
-    block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
-        blocks_ptr, scales_ptr, expert, n0, N, K, BN, SCALE_WORDS
+    block_rows, scale_rows, row_groups, t, shifts, tail_step, tail_fix = _expert_rows(
+        blocks_ptr, scales_ptr, expert, n0, N, K, BN, SCALE_WORDS, LB
     )
     col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * H_STRIDE
     out_rows = n0 + tl.arange(0, BN)
@@ -346,7 +353,8 @@ def _columns_down_kernel(
         acc, acc2 = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
-            col_ptrs2=h_ptr + tl.where(valid2, pairs2, 0).to(tl.int64) * H_STRIDE,
+            LB * 64, h_ptr + tl.where(valid2, pairs2, 0).to(tl.int64) * H_STRIDE, tail_step,
+            tail_fix,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -355,6 +363,7 @@ def _columns_down_kernel(
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
+            LB * 64, tail_step=tail_step, tail_fix=tail_fix,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()

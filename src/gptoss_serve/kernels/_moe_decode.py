@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._moe_common import _to_bf16
-from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _tile_slots
+from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _slot_blocks, _tile_slots
 from gptoss_serve.kernels._moe_routing import _topk_softmax, _write_routing
 
 
@@ -50,17 +50,23 @@ def _router_kernel(
     routing_weights_ptr, num_tokens, stride_x,
     H: tl.constexpr, E: tl.constexpr, T_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr,
+    PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """logits [T, E] fp32 = x @ Wr^T + br for BLOCK_E experts; x_thread [T, H] bf16 for the
     BLOCK_K chunks c with c % num_programs == program (each chunk written once).
 
     ROUTE: the last program to finish (a ticket from ``counter_ptr``) also writes every
     token's top-k expert ids [T, k] int32 and routing weights [T, k] fp32, once, so that the
-    GEMV programs just load them, then re-arms the counter to 0 for the next launch."""
-    if PDL:  # x comes from the previous kernel
-        gdc_wait()
+    GEMV programs just load them, then re-arms the counter to 0 for the next launch.
+    PRELOAD (one step, BLOCK_K ≥ H): the weights are loaded before the PDL wait, so that
+    after it only x's load (from L2) stands between the norm before and the logits."""
     pid = tl.program_id(0)
     experts = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    ONE_STEP: tl.constexpr = PRELOAD and BLOCK_K >= H
+    if ONE_STEP:
+        w_first = _router_weights(weight_ptr, experts, tl.arange(0, BLOCK_K), H, E)
+    if PDL:  # x comes from the previous kernel
+        gdc_wait()
     tokens = tl.arange(0, T_PAD)
     token_mask = tokens < num_tokens
     acc = tl.zeros([T_PAD, BLOCK_E], tl.float32)
@@ -72,11 +78,10 @@ def _router_kernel(
             mask=token_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        w = tl.load(
-            weight_ptr + experts[:, None] * H + ks[None, :],
-            mask=(experts < E)[:, None] & k_mask[None, :],
-            other=0.0,
-        )
+        if ONE_STEP:  # noqa: SIM108 (w_first exists only then: Triton folds this if)
+            w = w_first
+        else:
+            w = _router_weights(weight_ptr, experts, ks, H, E)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if (k0 // BLOCK_K) % tl.num_programs(0) == pid:
             tl.store(
@@ -94,6 +99,16 @@ def _router_kernel(
             logits_ptr, counter_ptr, expert_ids_ptr, routing_weights_ptr, tokens, token_mask,
             E, TOP_K,
         )  # fmt: skip
+
+
+@triton.jit
+def _router_weights(weight_ptr, experts, ks, H: tl.constexpr, E: tl.constexpr):
+    """Router weights [BLOCK_E, BLOCK_K] bf16 of ``experts`` x columns ``ks`` (0 past the ends)."""
+    return tl.load(
+        weight_ptr + experts[:, None] * H + ks[None, :],
+        mask=(experts < E)[:, None] & (ks < H)[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -147,6 +162,7 @@ def _gate_up_kernel(
     ROUTED: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    LB: tl.constexpr = 1,
 ):  # fmt: skip
     """h[p, :] (thread order, bf16 [P, N/2]) for R = BN/SPLIT rows [n0, n0 + R) of the pair's
     expert. The K columns are split in SPLIT parts of SPLIT_GROUPS groups: tile row s·R + r
@@ -178,7 +194,9 @@ def _gate_up_kernel(
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
     expert = expert.to(tl.int64)
     first_group = part * SPLIT_GROUPS + t
-    block_rows = blocks_ptr + expert * (N * H // 2) + row * (H // 2) + 16 * first_group
+    block_rows, tail_step, tail_fix = _slot_blocks(
+        blocks_ptr + expert * (N * H // 2), row, first_group, G, LB
+    )
     scale_rows = scales_ptr + expert * (N * H // 32) + row * G + first_group
     # 8 activation columns (one n8 MMA), column c holding part c % SPLIT: each lane loads
     # just its own column, and the load matches the MMA operand's lanes (no shuffle).
@@ -187,7 +205,8 @@ def _gate_up_kernel(
     col_ptrs = x_thread_ptr + token * H + col_part * (32 * SPLIT_GROUPS)
     acc, _ = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, _part_groups(col_part, G, SPLIT_GROUPS),
-        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET,
+        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, STEP_BYTES=LB * 64,
+        tail_step=tail_step, tail_fix=tail_fix,
     )  # fmt: skip
     if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
         gdc_launch_dependents()
@@ -212,7 +231,7 @@ def _down_kernel(
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BR: tl.constexpr,
     SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr, STEPS: tl.constexpr,
     FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr, LB: tl.constexpr = 1,
 ):  # fmt: skip
     """out[token, n0 : n0 + BR] = Σ_e w_e · (h_e @ W_down[e][rows]^T + b_e), bf16 (K = I).
 
@@ -238,7 +257,9 @@ def _down_kernel(
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
     row_expert = tl.sum(tl.where(slot[:, None] == slots[None, :], ids[None, :], 0), 1)
     first_group = part * SPLIT_GROUPS + t
-    block_rows = blocks_ptr + row_expert * (N * K // 2) + row * (K // 2) + 16 * first_group
+    block_rows, tail_step, tail_fix = _slot_blocks(
+        blocks_ptr + row_expert * (N * K // 2), row, first_group, G, LB
+    )
     scale_rows = scales_ptr + row_expert * (N * K // 32) + row * G + first_group
     # At least 8 activation columns (one n8 MMA; each lane loads its own column): column c is
     # part c % SPLIT of slot c // SPLIT, wrapped; padding slots read slot TOP_K - 1.
@@ -250,7 +271,8 @@ def _down_kernel(
     col_groups = tl.where(col_slot < TOP_K, _part_groups(col_part, G, SPLIT_GROUPS), 0)
     acc, _ = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
-        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET,
+        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, STEP_BYTES=LB * 64,
+        tail_step=tail_step, tail_fix=tail_fix,
     )  # fmt: skip
     if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
         gdc_launch_dependents()

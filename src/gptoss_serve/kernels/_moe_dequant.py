@@ -58,12 +58,30 @@ _E2M1_PTX = tl.constexpr(
 
 
 @triton.jit
+def _packed_offsets(rows, groups, K, stride_block_row, LB: tl.constexpr):
+    """Byte offsets [R, C] of group ``groups`` [C] of rows ``rows`` [R] in one expert's blocks
+    of K columns: rows ``stride_block_row`` apart (LB = 1), or in step-major bands of LB rows
+    (kernels/mxfp4_layout.py; contiguous)."""
+    if LB == 1:
+        return rows[:, None] * stride_block_row + groups[None, :] * 16
+    G = K // 32
+    full = G // 4
+    r = rows[:, None] % LB
+    step = groups[None, :] // 4
+    main = step * (LB * 64) + r * 64
+    tail = full * (LB * 64) + r * (16 * (G % 4))
+    band = (rows[:, None] // LB) * (LB * G * 16)
+    return band + tl.where(step < full, main, tail) + (groups[None, :] % 4) * 16
+
+
+@triton.jit
 def _load_packed(
     blocks_ptr, scales_ptr, rows, row_mask, k0, K, stride_block_row, stride_scale_row,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, LB: tl.constexpr = 1,
 ):  # fmt: skip
     """(bytes [BN, BLOCK_K/32, 16], scales [BN, BLOCK_K/32]) uint8 of columns [k0, k0+BLOCK_K)
-    of rows ``rows``; ``blocks_ptr``/``scales_ptr`` point at the expert. Masked parts read 0."""
+    of rows ``rows``; ``blocks_ptr``/``scales_ptr`` point at the expert; LB: the blocks' step
+    rows (``_packed_offsets``). Masked parts read 0."""
     groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     mask = row_mask[:, None]
     if not EVEN_K:
@@ -71,12 +89,8 @@ def _load_packed(
     scale = tl.load(
         scales_ptr + rows[:, None] * stride_scale_row + groups[None, :], mask=mask, other=0
     )
-    byte_ptrs = (
-        blocks_ptr
-        + rows[:, None, None] * stride_block_row
-        + groups[None, :, None] * 16
-        + tl.arange(0, 16)[None, None, :]
-    )
+    offsets = _packed_offsets(rows, groups, K, stride_block_row, LB)
+    byte_ptrs = blocks_ptr + offsets[:, :, None] + tl.arange(0, 16)[None, None, :]
     return tl.load(byte_ptrs, mask=mask[:, :, None], other=0), scale
 
 
@@ -112,12 +126,12 @@ def _e2m1_pairs_ptx(packed, scale):
 @triton.jit
 def _dequant_tile(
     blocks_ptr, scales_ptr, rows, row_mask, k0, K, stride_block_row, stride_scale_row,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, LB: tl.constexpr = 1,
 ):  # fmt: skip
     """Rows ``rows`` [BN] x columns [k0, k0 + BLOCK_K) of one expert -> [BN, BLOCK_K] bf16."""
     packed, scale = _load_packed(
         blocks_ptr, scales_ptr, rows, row_mask, k0, K, stride_block_row, stride_scale_row,
-        BLOCK_K, EVEN_K,
+        BLOCK_K, EVEN_K, LB,
     )  # fmt: skip
     if PTX:
         even, odd = _e2m1_pairs_ptx(packed, tl.broadcast_to(scale[:, :, None], packed.shape))
@@ -134,14 +148,14 @@ def _dequant_tile(
 @triton.jit
 def _dequant_kernel(
     blocks_ptr, scales_ptr, out_ptr, N, K, stride_block_row, stride_scale_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, LB: tl.constexpr = 1,
 ):  # fmt: skip
     """Debug: write the in-kernel decode of [N, K/32, 16] blocks as bf16 [N, K] (tests only)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     w = _dequant_tile(
         blocks_ptr, scales_ptr, rows, rows < N, k0, K, stride_block_row, stride_scale_row,
-        BLOCK_K, False, PTX,
+        BLOCK_K, False, PTX, LB,
     )  # fmt: skip
     ks = k0 + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (ks < K)[None, :]

@@ -22,7 +22,7 @@ def _mxfp4_matmul(
     a_row_ptrs, a_row_mask, blocks_ptr, scales_ptr, cols, col_mask,
     stride_block_row, stride_scale_row,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    PTX: tl.constexpr, INTERPRET: tl.constexpr,
+    PTX: tl.constexpr, INTERPRET: tl.constexpr, LB: tl.constexpr = 1,
 ):  # fmt: skip
     """acc [BLOCK_M, BN] fp32 = A[rows, :K] @ W[cols, :K]^T; ``a_row_ptrs`` [BLOCK_M] point at
     the start of each bf16 activation row (gathered rows are fine).
@@ -43,7 +43,7 @@ def _mxfp4_matmul(
         a = tl.load(a_row_ptrs[:, None] + ks[None, :], mask=a_mask, other=0.0)
         w = _dequant_tile(
             blocks_ptr, scales_ptr, cols, col_mask, k0, K, stride_block_row, stride_scale_row,
-            BLOCK_K, EVEN_K, PTX,
+            BLOCK_K, EVEN_K, PTX, LB,
         )  # fmt: skip
         if SWAP_AB:
             acc = _dot(w, tl.trans(a), acc, INTERPRET)
@@ -80,7 +80,7 @@ def _gate_up_kernel(
     stride_x, stride_block_expert, stride_block_row, stride_scale_expert, stride_scale_row,
     stride_h,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
+    SWAP_AB: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr, LB: tl.constexpr = 1,
 ):  # fmt: skip
     """h[row, j] = SwiGLU(x[token(row)] @ W_gate_up[e]^T + b)[j], bf16 [P, N/2].
 
@@ -97,7 +97,7 @@ def _gate_up_kernel(
         x_ptr + tokens * stride_x, row_mask,
         blocks_ptr + expert * stride_block_expert, scales_ptr + expert * stride_scale_expert,
         cols, col_mask, stride_block_row, stride_scale_row, K, BLOCK_M, BLOCK_K, SWAP_AB, PTX,
-        INTERPRET,
+        INTERPRET, LB,
     )  # fmt: skip
     bias = tl.load(bias_ptr + expert * N + cols, mask=col_mask, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(acc + bias[None, :], [BLOCK_M, BLOCK_N // 2, 2]))
@@ -119,7 +119,7 @@ def _down_kernel(
     stride_h, stride_block_expert, stride_block_row, stride_scale_expert, stride_scale_row,
     stride_y,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
+    SWAP_AB: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr, LB: tl.constexpr = 1,
 ):  # fmt: skip
     """y[pair(row)] = w_pair · (h[row] @ W_down[e]^T + b), fp32 [P, H] in pair order."""
     live, expert, rows, row_mask, cols, col_mask = _row_block(
@@ -131,7 +131,7 @@ def _down_kernel(
         h_ptr + rows * stride_h, row_mask,
         blocks_ptr + expert * stride_block_expert, scales_ptr + expert * stride_scale_expert,
         cols, col_mask, stride_block_row, stride_scale_row, K, BLOCK_M, BLOCK_K, SWAP_AB, PTX,
-        INTERPRET,
+        INTERPRET, LB,
     )  # fmt: skip
     bias = tl.load(bias_ptr + expert * N + cols, mask=col_mask, other=0.0).to(tl.float32)
     pairs = tl.load(sorted_ids_ptr + rows, mask=row_mask, other=0)

@@ -85,6 +85,20 @@ def _tile_slots(BN: tl.constexpr):
 
 
 @triton.jit
+def _slot_blocks(expert_blocks, row, first_group, G: tl.constexpr, LB: tl.constexpr):
+    """Per slot, in one expert's [N, G, 16] blocks stored in step-major bands of LB rows
+    (kernels/mxfp4_layout.py; LB = 1: the checkpoint's rows): (pointer to group
+    ``first_group`` (a multiple of 4 plus the lane t) of ``row``, the slot's step at which the
+    band's partial last step begins, and what to subtract from the pointer there). The
+    pointer advances LB·64 bytes a step (``_mxfp4_gemv``'s STEP_BYTES)."""
+    step = first_group // 4
+    r = row % LB
+    band = (row // LB) * (LB * G * 16)
+    ptr = expert_blocks + band + r * 64 + step * (LB * 64) + 16 * (first_group % 4)
+    return ptr, G // 4 - step, r * (64 - 16 * (G % 4))
+
+
+@triton.jit
 def _nibble(words, SHIFT: tl.constexpr, scale):
     """Portable: the nibble at bit SHIFT of uint32 ``words`` times fp32 ``scale``, as bf16."""
     code = (words >> SHIFT) & 0xF
@@ -130,7 +144,12 @@ def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr, ORDER: tl.co
         tile = tl.permute(tile, (1, 0, 2, 4, 7, 6, 3, 5))  # m16 i1 g4 q m p t h
     else:
         tile = tl.permute(tile, (1, 0, 2, 4, 7, 3, 6, 5))  # m16 i1 g4 q m t p h
-    return tl.reshape(tile, [BN, BLOCK_K])
+    tile = tl.reshape(tile, [BN, BLOCK_K])
+    if PTX and ORDER == _WGMMA:
+        tile = tl.inline_asm_elementwise(
+            "mov.b16 $0, $1;", "=h,h", [tile], dtype=tl.bfloat16, is_pure=False, pack=1
+        )
+    return tile
 
 
 @triton.jit
@@ -213,15 +232,20 @@ def _gemv_step(
     acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
-    STEP_BYTES: tl.constexpr = 64, acc2=None, col_ptrs2=None,
+    STEP_BYTES: tl.constexpr = 64, acc2=None, col_ptrs2=None, tail_step=None, tail_fix=None,
 ):  # fmt: skip
     """One 128-column step; returns (acc, the next step's scales, acc2). STEP_BYTES: distance
-    of a row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows).
+    of a row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows);
+    ``tail_step`` / ``tail_fix`` (step-major bands, ``_slot_blocks``): at that step of each
+    slot the pointer moves back by ``tail_fix`` bytes.
     SCALE_WORDS: ``scale_rows`` are the scales' aligned 32-bit words and ``scale_shift`` the
     byte's bit offset in them (``_scale_words``), and this step's scale is read here, by a
     plain load the loop's pipeline issues stages ahead. ``col_ptrs2`` (tile order only): a
     second set of columns, multiplied by the same decoded tile into ``acc2``."""
-    word_ptrs = (block_rows + step * STEP_BYTES).to(tl.pointer_type(tl.int32))
+    byte_ptrs = block_rows + step * STEP_BYTES
+    if tail_fix is not None:
+        byte_ptrs -= tl.where(step == tail_step, tail_fix, 0)
+    word_ptrs = byte_ptrs.to(tl.pointer_type(tl.int32))
     word_ptrs = word_ptrs[:, None] + tl.arange(0, 4)[None, :]
     if MASK_K:
         words = tl.load(word_ptrs, mask=(4 * step + t < row_groups)[:, None], other=0)
@@ -256,7 +280,7 @@ def _mxfp4_gemv(
     BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
-    STEP_BYTES: tl.constexpr = 64, col_ptrs2=None,
+    STEP_BYTES: tl.constexpr = 64, col_ptrs2=None, tail_step=None, tail_fix=None,
 ):  # fmt: skip
     """(acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns, acc2):
     with ``col_ptrs2`` [NC2] (tile order), acc2 [BN, NC2] is the same for those columns from
@@ -275,7 +299,8 @@ def _mxfp4_gemv(
     write them, and ``col_groups`` is not read. SCALE_WORDS: see ``_gemv_step``; the
     default reads each step's scales one step ahead by ld.global.nc, which is right for the
     bandwidth-bound decode (v4b), while wgmma's compute-bound tiles lose ~20% waiting on
-    it behind their cp.async stream (bench/RESULTS.md v7b)."""
+    it behind their cp.async stream (bench/RESULTS.md v7b). ``tail_step`` / ``tail_fix``: see
+    ``_gemv_step`` (blocks in step-major bands; with them STEP_BYTES is the band's LB·64)."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
     if col_ptrs2 is None:
@@ -296,7 +321,7 @@ def _mxfp4_gemv(
             acc, scale, acc2 = _gemv_step(
                 acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
                 col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS,
-                scale_shift, STEP_BYTES, acc2, col_ptrs2,
+                scale_shift, STEP_BYTES, acc2, col_ptrs2, tail_step, tail_fix,
             )  # fmt: skip
     return acc, acc2
 

@@ -72,6 +72,8 @@ class DecodeTiles:
     # -> 24.23 ms (2 or 1 tokens: about as fast, other bits).
     router_finish_tokens: int = 4
     router_block_k: int | None = None  # None: all of H in one step at T = 1, less as T grows
+    # When the router takes all of H in one step: its weights are loaded before the PDL wait
+    router_preload: bool = True
     # Past ROUTER_MAX_TOKENS (the K-split router): columns of H and tokens per program.
     router_split_k: int = ROUTER_SPLIT_K
     router_block_t: int = 32
@@ -371,7 +373,7 @@ def launch_router(
         counter if route else logits, ids if route else logits, gates if route else logits,
         num_tokens, x.stride(0), H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens),
         BLOCK_E=block_e, BLOCK_K=block_k, TOP_K=ids.shape[1] if route else 1, ROUTE=route,
-        PDL=_pdl(tiles), num_warps=4, launch_pdl=_pdl(tiles),
+        PDL=_pdl(tiles), PRELOAD=tiles.router_preload, num_warps=4, launch_pdl=_pdl(tiles),
     )  # fmt: skip
 
 
@@ -440,7 +442,7 @@ def launch_gate_up(
         H=hidden, N=2 * inter, E=weights.num_experts, TOP_K=top_k, ROUTED=logits is None,
         BN=rows * split, SPLIT=split, **split_plan(hidden, split, tiles.gate_up_unroll),
         NUM_STAGES=tiles.gate_up_stages, PTX=tiles.ptx and not _interpreting(), PDL=pdl,
-        INTERPRET=_interpreting(), num_warps=tiles.gate_up_warps,
+        INTERPRET=_interpreting(), LB=weights.step_rows, num_warps=tiles.gate_up_warps,
         num_stages=tiles.gate_up_stages, launch_pdl=pdl,
     )  # fmt: skip
 
@@ -467,7 +469,8 @@ def launch_down(
         N=hidden, K=inter, TOP_K=top_k, BR=rows, SPLIT=split,
         **split_plan(inter, split, tiles.down_unroll), NUM_STAGES=tiles.down_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
-        num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
+        LB=weights.step_rows, num_warps=tiles.down_warps, num_stages=tiles.down_stages,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -499,7 +502,8 @@ def launch_columns(
     g_max = group_expert.shape[0]
     _check_rows("x_thread", x_thread, hidden, tiles.tile_order)
     _check_rows("h", h, inter, tiles.tile_order)
-    order = dict(TILE_ORDER=tiles.order, H_STRIDE=h.stride(0), SCALE_WORDS=tiles.scale_words)
+    order = dict(TILE_ORDER=tiles.order, H_STRIDE=h.stride(0), SCALE_WORDS=tiles.scale_words,
+                 LB=weights.step_rows)  # fmt: skip
     rows = tiles.gate_up_rows
     columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,

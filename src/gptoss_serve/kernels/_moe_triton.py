@@ -299,7 +299,7 @@ def _experts(
         2 * inter, max_blocks, top_k, alpha, limit, x.stride(0),
         *_weight_strides(weights.gate_up_blocks, weights.gate_up_scales), h.stride(0),
         block_m=tiles.block_m, gemm_tiles=tiles.gate_up, n=2 * inter, k=hidden,
-        max_blocks=max_blocks, ptx=ptx,
+        max_blocks=max_blocks, ptx=ptx, step_rows=weights.step_rows,
     )  # fmt: skip
     _launch_gemm(
         gemm._down_kernel,
@@ -307,37 +307,46 @@ def _experts(
         *common, hidden, max_blocks, h.stride(0),
         *_weight_strides(weights.down_blocks, weights.down_scales), y.stride(0),
         block_m=tiles.block_m, gemm_tiles=tiles.down, n=hidden, k=inter, max_blocks=max_blocks,
-        ptx=ptx,
+        ptx=ptx, step_rows=weights.step_rows,
     )  # fmt: skip
     sum_pairs(y, out, top_k)
     return out
 
 
 def _launch_gemm(
-    kernel, *args, block_m: int, gemm_tiles: GemmTiles, n: int, k: int, max_blocks: int, ptx: bool
+    kernel,
+    *args,
+    block_m: int,
+    gemm_tiles: GemmTiles,
+    n: int,
+    k: int,
+    max_blocks: int,
+    ptx: bool,
+    step_rows: int = 1,
 ) -> None:
     """Grid: max_blocks row blocks x cdiv(n, block_n) column tiles; dead row blocks exit."""
     grid = (max_blocks * triton.cdiv(n, gemm_tiles.block_n),)
     kernel[grid](
         *args,
         K=k, BLOCK_M=block_m, BLOCK_N=gemm_tiles.block_n, BLOCK_K=gemm_tiles.block_k,
-        SWAP_AB=gemm_tiles.swap_ab, PTX=ptx, INTERPRET=_interpreting(),
+        SWAP_AB=gemm_tiles.swap_ab, PTX=ptx, INTERPRET=_interpreting(), LB=step_rows,
         num_warps=gemm_tiles.num_warps, num_stages=gemm_tiles.num_stages,
     )  # fmt: skip
 
 
 def dequantize_mxfp4_triton(
-    blocks: torch.Tensor, scales: torch.Tensor, *, ptx: bool = True
+    blocks: torch.Tensor, scales: torch.Tensor, *, ptx: bool = True, step_rows: int = 1
 ) -> torch.Tensor:
     """Debug: the GEMMs' in-register decode of [N, K/32, 16] blocks written out, bf16 [N, K].
-    ``ptx`` picks the inline-PTX decode (ignored under the interpreter, which cannot run it)."""
+    ``ptx`` picks the inline-PTX decode (ignored under the interpreter, which cannot run it);
+    ``step_rows``: the blocks' layout (kernels/mxfp4_layout.py)."""
     num_rows, num_groups = scales.shape
     out = torch.empty(num_rows, num_groups * 32, dtype=torch.bfloat16, device=blocks.device)
     block_n, block_k = 16, 64
     grid = (triton.cdiv(num_rows, block_n), triton.cdiv(num_groups * 32, block_k))
     dequant._dequant_kernel[grid](
         blocks, scales, out, num_rows, num_groups * 32, blocks.stride(0), scales.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx and not _interpreting(),
+        BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx and not _interpreting(), LB=step_rows,
     )  # fmt: skip
     return out
 

@@ -28,6 +28,7 @@ Cost per call, for the benchmark (``mxfp4_moe_bytes``, ``mxfp4_moe_flops``):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ import torch
 
 from gptoss_serve.kernels.launch import pdl_applies
 from gptoss_serve.kernels.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
+from gptoss_serve.kernels.mxfp4_layout import STEP_ROWS, from_step_rows, to_step_rows
 
 # An expert's dense weights: (gate_up [2I, H], down [H, I]) in the compute dtype.
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -68,6 +70,9 @@ class MoeWeights:
     # Scratch of the decode path's router (int32 [1], zero between launches: the kernel's last
     # program re-arms it). One per layer, so layers never share it; None: made per call.
     router_counter: torch.Tensor | None = None
+    # The layout of both blocks tensors (mxfp4_layout.py): rows in step-major bands of this
+    # many; 1 is the checkpoint's own layout. ``checkpoint_blocks`` undoes it.
+    step_rows: int = 1
 
     @classmethod
     def from_checkpoint(  # noqa: PLR0917 (the checkpoint's tensor order)
@@ -81,16 +86,15 @@ class MoeWeights:
         down_scales: torch.Tensor,
         down_bias: torch.Tensor,
     ) -> MoeWeights:
-        """Check and wrap one layer's checkpoint tensors; no re-layout, no copy.
+        """Check and wrap one layer's checkpoint tensors; no re-layout, no copy (the fields are
+        the checkpoint tensors themselves, made contiguous: a no-op for loaded tensors).
+        ``with_step_rows`` gives the kernels' faster layout of the blocks.
 
-        No re-layout pays enough yet: the kernels read a weight tile as 64- or 128-byte runs of
-        each row (whole sectors), the interleaved gate/up rows are what the fused SwiGLU
-        epilogue wants (one tile holds both halves of each unit), and the scales are 1/16 of
-        the bytes. Measured on the compiled SASS (not timed): a 4x4 byte transpose inside each
-        16-byte group, which hands each thread its wgmma fragment in one 32-bit load, cuts the
-        main loop by only 7-9% (the decode arithmetic dominates), so it is left out. Memory
-        stays at the checkpoint's size and the fields are the checkpoint tensors themselves
-        (made contiguous, a no-op for loaded tensors).
+        Other re-layouts that do not pay: the interleaved gate/up rows are what the fused
+        SwiGLU epilogue wants (one tile holds both halves of each unit), and the scales are
+        1/16 of the bytes. A 4x4 byte transpose inside each 16-byte group, which hands each
+        thread its wgmma fragment in one 32-bit load, cuts the main loop by only 7-9% of its
+        instructions (the compiled SASS, not timed).
         """
         weights = cls(
             *(
@@ -104,6 +108,36 @@ class MoeWeights:
         )  # fmt: skip
         weights.check()
         return weights
+
+    def with_step_rows(self, rows: int) -> MoeWeights:
+        """These weights with both blocks tensors in step-major bands of ``rows``
+        (mxfp4_layout.py; same size: the old tensors can go). Scales and the rest stay."""
+        gate_up = from_step_rows(self.gate_up_blocks, self.step_rows)
+        down = from_step_rows(self.down_blocks, self.step_rows)
+        return dataclasses.replace(
+            self, gate_up_blocks=to_step_rows(gate_up, rows), down_blocks=to_step_rows(down, rows),
+            step_rows=rows,
+        )  # fmt: skip
+
+    def for_kernels(self) -> MoeWeights:
+        """On CUDA, these weights in the kernels' layout (bands of ``STEP_ROWS`` rows, where
+        that divides both matrices' rows); elsewhere, or when it does not divide, as they are."""
+        rows = STEP_ROWS
+        if (
+            not self.gate_up_blocks.is_cuda
+            or (2 * self.intermediate_size) % rows
+            or (self.hidden_size % rows)
+        ):
+            return self
+        return self.with_step_rows(rows)
+
+    def checkpoint_blocks(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H/32, 16], down [H, I/32, 16]) blocks of ``expert`` in the checkpoint's
+        layout, whatever ``step_rows`` is."""
+        return (
+            from_step_rows(self.gate_up_blocks[expert], self.step_rows),
+            from_step_rows(self.down_blocks[expert], self.step_rows),
+        )
 
     @property
     def num_experts(self) -> int:
@@ -138,6 +172,8 @@ class MoeWeights:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(tensor.shape)}")
             if tensor.dtype != dtype:
                 raise TypeError(f"{name}: expected {dtype}, got {tensor.dtype}")
+        if self.step_rows < 1 or (2 * i) % self.step_rows or h % self.step_rows:
+            raise ValueError(f"step_rows {self.step_rows} must divide {2 * i} and {h} rows")
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's blocks + scales + biases (what the kernels read per expert)."""
@@ -253,9 +289,10 @@ def mxfp4_moe_experts_reference(
     """The expert half with the routing given ([T, k] each), in fp32; output in x's dtype."""
 
     def dequantized(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = weights.checkpoint_blocks(expert)
         return (
-            dequantize_mxfp4(weights.gate_up_blocks[expert], weights.gate_up_scales[expert], f32),
-            dequantize_mxfp4(weights.down_blocks[expert], weights.down_scales[expert], f32),
+            dequantize_mxfp4(gate_up, weights.gate_up_scales[expert], f32),
+            dequantize_mxfp4(down, weights.down_scales[expert], f32),
         )
 
     f32 = torch.float32

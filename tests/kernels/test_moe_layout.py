@@ -1,0 +1,118 @@
+"""The blocks' step-rows layout (kernels/mxfp4_layout.py): the torch re-layout and its
+inverse, the references on re-laid weights, and every Triton MoE path giving the same bits
+on re-laid weights as on the checkpoint's rows (only the addresses differ)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from moe_cases import INTERPRETING, fresh_seed, random_weights, random_x
+
+from gptoss_serve.kernels.moe import MoeWeights, mxfp4_moe_reference
+from gptoss_serve.kernels.mxfp4_layout import from_step_rows, to_step_rows
+
+needs_triton = pytest.mark.skipif(
+    not INTERPRETING, reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1"
+)
+
+
+def byte_offset(n: int, g: int, groups: int, rows: int) -> int:
+    """The layout's documented address of (row n, group g) in one matrix, in bytes."""
+    full, tail = groups // 4, 16 * (groups % 4)
+    band = (n // rows) * rows * groups * 16
+    if g < 4 * full:
+        return band + (g // 4) * rows * 64 + (n % rows) * 64 + (g % 4) * 16
+    return band + full * rows * 64 + (n % rows) * tail + (g % 4) * 16
+
+
+@pytest.mark.parametrize(
+    ("shape", "rows"),
+    [((2, 64, 90, 16), 16), ((3, 32, 5, 16), 16), ((1, 48, 3, 16), 16), ((2, 64, 7, 16), 32),
+     ((2, 16, 8, 16), 1)],
+)  # fmt: skip
+def test_step_rows_layout(shape: tuple[int, ...], rows: int) -> None:
+    """Round trip, and every byte where the layout's formula puts it (K = 2880: 22 steps and
+    a half; 5 and 3 groups: a one- and a three-group tail; 8: no tail)."""
+    generator = torch.Generator().manual_seed(fresh_seed())
+    blocks = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    laid = to_step_rows(blocks, rows)
+    assert laid.shape == blocks.shape
+    assert torch.equal(from_step_rows(laid, rows), blocks)
+    _, n_rows, groups, _ = shape
+    flat = laid.reshape(shape[0], -1)
+    for n in range(n_rows):
+        for g in range(groups):
+            offset = byte_offset(n, g, groups, rows)
+            assert torch.equal(flat[:, offset : offset + 16], blocks[:, n, g])
+
+
+def test_step_rows_must_divide_the_rows() -> None:
+    with pytest.raises(ValueError, match="must divide"):
+        to_step_rows(torch.zeros(1, 24, 4, 16, dtype=torch.uint8), 16)
+    weights = random_weights(4, 64, 32)
+    with pytest.raises(ValueError, match="step_rows 48 must divide"):
+        dataclasses.replace(weights, step_rows=48).check()
+
+
+def test_reference_reads_step_rows() -> None:
+    """The plain-torch path undoes the layout: same output from re-laid weights."""
+    weights = random_weights(8, 160, 96, seed=3)
+    laid = weights.with_step_rows(16)
+    assert laid.step_rows == 16
+    assert not torch.equal(laid.gate_up_blocks, weights.gate_up_blocks)
+    assert torch.equal(laid.checkpoint_blocks(5)[1], weights.down_blocks[5])
+    assert torch.equal(laid.with_step_rows(1).gate_up_blocks, weights.gate_up_blocks)
+    x = random_x(7, 160)
+    assert torch.equal(mxfp4_moe_reference(x, laid), mxfp4_moe_reference(x, weights))
+
+
+def same_bits(x: torch.Tensor, weights: MoeWeights, rows: int, **kwargs) -> None:
+    """The Triton MoE on ``weights`` and on them in bands of ``rows``: the same bits."""
+    from gptoss_serve.kernels._moe_triton import mxfp4_moe_triton  # noqa: PLC0415
+
+    expected = mxfp4_moe_triton(x, weights, poison=True, **kwargs)
+    actual = mxfp4_moe_triton(x, weights.with_step_rows(rows), poison=True, **kwargs)
+    assert torch.equal(actual, expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_tokens", [1, 3, 20, 40, 200])
+def test_interpreter_step_rows_same_bits(num_tokens: int) -> None:
+    """Per-pair GEMVs (1, 3 tokens), grouped columns (20, 40), wgmma columns (200): H = 160
+    (5 groups: a one-group tail), I = 96 (3 groups: no whole step at all)."""
+    weights = random_weights(8, 160, 96, seed=num_tokens)
+    same_bits(random_x(num_tokens, 160, seed=num_tokens + 1), weights, 16)
+
+
+@needs_triton
+def test_interpreter_step_rows_grouped_gemm_same_bits() -> None:
+    """The grouped GEMMs (past DECODE_MAX_TOKENS; forced by ``tiles``) and their decode."""
+    from gptoss_serve.kernels._moe_triton import dequantize_mxfp4_triton, tiles_for  # noqa: PLC0415
+
+    weights = random_weights(8, 160, 96, seed=9)
+    same_bits(random_x(24, 160, seed=10), weights, 16, tiles=tiles_for(24, 8))
+    laid = weights.with_step_rows(16)
+    expected = dequantize_mxfp4_triton(weights.gate_up_blocks[2], weights.gate_up_scales[2])
+    actual = dequantize_mxfp4_triton(laid.gate_up_blocks[2], laid.gate_up_scales[2],
+                                     step_rows=16)  # fmt: skip
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 8, 16, 40, 64, 128, 300, 2048])
+def test_gpu_step_rows_same_bits(gpu_weights: MoeWeights, num_tokens: int) -> None:
+    """Every row of the decode table at 120b / 20b shapes (K = 2880: 22 steps and a half),
+    with PDL as the engine launches them."""
+    torch.manual_seed(fresh_seed())
+    x = torch.randn(num_tokens, 2880, device="cuda").bfloat16()
+    same_bits(x, gpu_weights, 16, pdl=True)
+
+
+@pytest.mark.gpu
+def test_gpu_step_rows_grouped_gemm_same_bits(gpu_weights: MoeWeights) -> None:
+    from gptoss_serve.kernels._moe_triton import tiles_for  # noqa: PLC0415
+
+    x = torch.randn(300, 2880, device="cuda").bfloat16()
+    same_bits(x, gpu_weights, 16, tiles=tiles_for(300, gpu_weights.num_experts))
