@@ -192,6 +192,9 @@ class WeightsBuilder:
             cos_sin = rope_cos_sin_table(
                 config.max_position_embeddings, inv_freq, config.rope.attention_scaling
             )
+            # Loading freed the raw layers (and the blocks' pre-layout copies): hand the cached
+            # segments back, so that the KV cache is sized from memory really in use.
+            torch.cuda.empty_cache()
         return ModelWeights(
             config=config,
             embedding=embedding,

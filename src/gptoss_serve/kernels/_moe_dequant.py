@@ -64,13 +64,13 @@ def _packed_offsets(rows, groups, K, stride_block_row, LB: tl.constexpr):
     (kernels/mxfp4_layout.py; contiguous)."""
     if LB == 1:
         return rows[:, None] * stride_block_row + groups[None, :] * 16
-    G = K // 32
-    full = G // 4
+    num_groups = K // 32
+    full = num_groups // 4
     r = rows[:, None] % LB
     step = groups[None, :] // 4
     main = step * (LB * 64) + r * 64
-    tail = full * (LB * 64) + r * (16 * (G % 4))
-    band = (rows[:, None] // LB) * (LB * G * 16)
+    tail = full * (LB * 64) + r * (16 * (num_groups % 4))
+    band = (rows[:, None] // LB) * (LB * num_groups * 16)
     return band + tl.where(step < full, main, tail) + (groups[None, :] % 4) * 16
 
 

@@ -37,16 +37,20 @@ def _check(blocks: torch.Tensor, rows: int) -> tuple[int, int, int]:
 
 
 def to_step_rows(blocks: torch.Tensor, rows: int) -> torch.Tensor:
-    """Checkpoint-layout blocks [..., N, G, 16] -> the same bytes in bands of ``rows``."""
+    """Checkpoint-layout blocks [..., N, G, 16] -> the same bytes in bands of ``rows`` (one new
+    tensor of the same size, no other temporary)."""
     n, g, full = _check(blocks, rows)
     if rows == 1:
         return blocks.contiguous()
     lead = blocks.shape[:-3]
     bands = blocks.reshape(*lead, n // rows, rows, g * 16)
-    main = bands[..., : full * 64].reshape(*lead, n // rows, rows, full, 64).transpose(-3, -2)
-    tail = bands[..., full * 64 :]
-    out = torch.cat((main.reshape(*lead, n // rows, -1), tail.reshape(*lead, n // rows, -1)), -1)
-    return out.reshape(blocks.shape)
+    out = torch.empty_like(blocks)
+    out_bands = out.view(*lead, n // rows, rows * g * 16)
+    main = out_bands[..., : rows * full * 64].view(*lead, n // rows, full, rows, 64)
+    main.copy_(bands[..., : full * 64].unflatten(-1, (full, 64)).transpose(-3, -2))
+    tail = out_bands[..., rows * full * 64 :].view(*lead, n // rows, rows, -1)
+    tail.copy_(bands[..., full * 64 :])
+    return out
 
 
 def from_step_rows(blocks: torch.Tensor, rows: int) -> torch.Tensor:
@@ -56,7 +60,10 @@ def from_step_rows(blocks: torch.Tensor, rows: int) -> torch.Tensor:
         return blocks
     lead = blocks.shape[:-3]
     bands = blocks.reshape(*lead, n // rows, rows * g * 16)
-    main = bands[..., : rows * full * 64].reshape(*lead, n // rows, full, rows, 64)
-    tail = bands[..., rows * full * 64 :].reshape(*lead, n // rows, rows, -1)
-    out = torch.cat((main.transpose(-3, -2).reshape(*lead, n // rows, rows, -1), tail), -1)
-    return out.reshape(blocks.shape)
+    out = torch.empty_like(blocks)
+    out_bands = out.view(*lead, n // rows, rows, g * 16)
+    main = bands[..., : rows * full * 64].view(*lead, n // rows, full, rows, 64)
+    out_bands[..., : full * 64].unflatten(-1, (full, 64)).copy_(main.transpose(-3, -2))
+    tail = bands[..., rows * full * 64 :].view(*lead, n // rows, rows, -1)
+    out_bands[..., full * 64 :].copy_(tail)
+    return out
