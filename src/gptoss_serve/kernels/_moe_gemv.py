@@ -144,12 +144,7 @@ def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr, ORDER: tl.co
         tile = tl.permute(tile, (1, 0, 2, 4, 7, 6, 3, 5))  # m16 i1 g4 q m p t h
     else:
         tile = tl.permute(tile, (1, 0, 2, 4, 7, 3, 6, 5))  # m16 i1 g4 q m t p h
-    tile = tl.reshape(tile, [BN, BLOCK_K])
-    if PTX and ORDER == _WGMMA:
-        tile = tl.inline_asm_elementwise(
-            "mov.b16 $0, $1;", "=h,h", [tile], dtype=tl.bfloat16, is_pure=False, pack=1
-        )
-    return tile
+    return tl.reshape(tile, [BN, BLOCK_K])
 
 
 @triton.jit
