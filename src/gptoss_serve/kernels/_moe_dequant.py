@@ -1,8 +1,10 @@
 """Triton bodies of the in-register MXFP4 decode (OCP MX v1.0: E2M1 elements, E8M0 scales).
 
-Weights stay in the checkpoint layout: for one expert, ``blocks`` [N, K/32, 16] uint8 (row n
-holds K/2 contiguous bytes; byte b of a group holds element 2b in its low nibble, 2b+1 in its
-high nibble) and ``scales`` [N, K/32] uint8, value = code_value · 2^(s−127). A tile of BN rows
+Weights stay MXFP4: for one expert, ``blocks`` [N, K/32, 16] uint8 (in the checkpoint, row n
+holds K/2 contiguous bytes; on CUDA the engine reorders them into step rows, LB, which
+``_packed_offsets`` follows: kernels/mxfp4_layout.py; byte b of a group holds element 2b in its
+low nibble, 2b+1 in its high nibble) and ``scales`` [N, K/32] uint8 (the checkpoint's rows),
+value = code_value · 2^(s−127). A tile of BN rows
 x BLOCK_K columns is read as [BN, BLOCK_K/32, 16] bytes (16-byte vector loads) plus
 [BN, BLOCK_K/32] scales and decoded in registers; bf16 weights never exist in memory.
 
