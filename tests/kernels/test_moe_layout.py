@@ -68,6 +68,12 @@ def test_reference_reads_step_rows() -> None:
     assert torch.equal(mxfp4_moe_reference(x, laid), mxfp4_moe_reference(x, weights))
 
 
+def test_for_kernels_keeps_cpu_weights() -> None:
+    """Off CUDA the weights stay in the checkpoint's rows (the reference reads them as they are)."""
+    weights = random_weights(4, 64, 32)
+    assert weights.for_kernels() is weights
+
+
 def same_bits(x: torch.Tensor, weights: MoeWeights, rows: int, **kwargs) -> None:
     """The Triton MoE on ``weights`` and on them in bands of ``rows``: the same bits."""
     from gptoss_serve.kernels._moe_triton import mxfp4_moe_triton  # noqa: PLC0415
