@@ -271,8 +271,8 @@ def _columns_gate_up_kernel(
         acc, acc2 = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
-            TILE_ORDER, SCALE_WORDS, shifts, LB * 64, x_thread_ptr + tokens2 * X_STRIDE, tail_step,
-            tail_fix,
+            TILE_ORDER, SCALE_WORDS, shifts, STEP_BYTES=LB * 64,
+            col_ptrs2=x_thread_ptr + tokens2 * X_STRIDE, tail_step=tail_step, tail_fix=tail_fix,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -282,7 +282,8 @@ def _columns_gate_up_kernel(
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
-            TILE_ORDER, SCALE_WORDS, shifts, LB * 64, tail_step=tail_step, tail_fix=tail_fix,
+            TILE_ORDER, SCALE_WORDS, shifts, STEP_BYTES=LB * 64, tail_step=tail_step,
+            tail_fix=tail_fix,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -353,8 +354,9 @@ def _columns_down_kernel(
         acc, acc2 = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
-            LB * 64, h_ptr + tl.where(valid2, pairs2, 0).to(tl.int64) * H_STRIDE, tail_step,
-            tail_fix,
+            STEP_BYTES=LB * 64,
+            col_ptrs2=h_ptr + tl.where(valid2, pairs2, 0).to(tl.int64) * H_STRIDE,
+            tail_step=tail_step, tail_fix=tail_fix,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -363,7 +365,7 @@ def _columns_down_kernel(
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
-            LB * 64, tail_step=tail_step, tail_fix=tail_fix,
+            STEP_BYTES=LB * 64, tail_step=tail_step, tail_fix=tail_fix,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
