@@ -511,20 +511,20 @@ def columns_ptx(tiles) -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_grouped_columns_kernels_compile_for_sm90() -> None:
     """The expert-grouped path at 120b shapes and its table's mma.sync tiles (8 and 16
-    columns): cp.async into mma.sync, no local memory; the grouping kernel for 64 and 128
-    tokens. Groups of 16 columns (two n8 MMAs) compile at the 64-token tiles too; so
-    does the K-split router."""
+    columns) in the wgmma tile order (kWidth 2): cp.async into mma.sync, no lane shuffle, no
+    local memory; the grouping kernel for 64 and 128 tokens. Groups of 16 columns (two n8
+    MMAs) compile at the 64-token tiles too; so does the K-split router."""
     from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
 
     for num_tokens, group_size in [(64, None), (128, None), (64, 16)]:
         tiles = decode_tiles_for(num_tokens)
-        assert tiles.group_columns and not tiles.wgmma_order
+        assert tiles.group_columns and tiles.wgmma_order
         if group_size:
             tiles = dataclasses.replace(tiles, group_size=group_size)
         for ptx in columns_ptx(tiles):
             assert "cp.async" in ptx and "mma.sync" in ptx and "mul.rn.bf16x2" in ptx
-            assert ".local" not in ptx
+            assert ".local" not in ptx and "shfl" not in ptx
         num_pairs = 4 * num_tokens
         g_max = _moe_columns.max_groups(num_pairs, 128, tiles.group_size)
         p_pad = 1 << (num_pairs - 1).bit_length()

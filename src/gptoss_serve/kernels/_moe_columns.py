@@ -273,6 +273,7 @@ def _columns_gate_up_kernel(
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
             TILE_ORDER, SCALE_WORDS, shifts, STEP_BYTES=LB * 64,
             col_ptrs2=x_thread_ptr + tokens2 * X_STRIDE, tail_step=tail_step, tail_fix=tail_fix,
+            col_groups2=tl.where(valid2, G, 0),
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -356,7 +357,7 @@ def _columns_down_kernel(
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
             STEP_BYTES=LB * 64,
             col_ptrs2=h_ptr + tl.where(valid2, pairs2, 0).to(tl.int64) * H_STRIDE,
-            tail_step=tail_step, tail_fix=tail_fix,
+            tail_step=tail_step, tail_fix=tail_fix, col_groups2=tl.where(valid2, G, 0),
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()

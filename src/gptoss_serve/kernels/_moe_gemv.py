@@ -144,7 +144,17 @@ def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr, ORDER: tl.co
         tile = tl.permute(tile, (1, 0, 2, 4, 7, 6, 3, 5))  # m16 i1 g4 q m p t h
     else:
         tile = tl.permute(tile, (1, 0, 2, 4, 7, 3, 6, 5))  # m16 i1 g4 q m t p h
-    return tl.reshape(tile, [BN, BLOCK_K])
+    tile = tl.reshape(tile, [BN, BLOCK_K])
+    if PTX and ORDER == _WGMMA:
+        # An identity Triton cannot see through: its AccelerateMatmul halves the A operand's
+        # bit width when a tl.join is in the operand's backward slice (the decode's), which
+        # gives mma.sync kWidth 4, and then its B registers pair across two MMAs (33 moves a
+        # warp-step). Past the identity mma.sync takes kWidth 2, whose A fragment is the
+        # wgmma order's (lane t on columns 2t, 2t + 1): 428 -> 381 loop instructions at 64
+        # tokens. Compiles to nothing on wgmma's own path (bench/RESULTS.md v13, v14).
+        tile = tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [tile], dtype=tl.bfloat16,
+                                         is_pure=False, pack=1)  # fmt: skip
+    return tile
 
 
 @triton.jit
@@ -154,14 +164,18 @@ def _activation_tile(col_ptrs, col_groups, step, MASK_K: tl.constexpr,
     tile's column order; ``col_ptrs`` [NC] point at each column's first element, and column c
     has ``col_groups[c]`` valid 32-element groups from there. TILE_ORDER: the rows are stored
     in the tile's column order already (``tile_order``: TILE_ORDER is ORDER_MMA or
-    ORDER_WGMMA), 128 per step, so the load is plain."""
+    ORDER_WGMMA), 128 per step, so the load is plain, and without MASK_K ``col_groups`` only
+    masks whole columns: those with 0 groups (a group's unused MMA columns) are not read."""
     if TILE_ORDER:
         k = tl.arange(0, BLOCK_K)[:, None]
         ptrs = col_ptrs[None, :] + step * BLOCK_K + k
         if MASK_K:  # tile column k belongs to group lane t: k = ..4t.. or (wgmma) ..2t..
             lane = (k // 2) % 4 if TILE_ORDER == _WGMMA else (k // 4) % 4
             return tl.load(ptrs, mask=4 * step + lane < col_groups[None, :], other=0.0)
-        return tl.load(ptrs)
+        # A mask constant along k keeps the 16-byte loads; at 64 tokens a group of 8 MMA
+        # columns holds ~2.3 pairs, and reading the other columns' rows anyway cost the
+        # grouped columns 5-12% (bench/RESULTS.md v14: L2 throughput was their limit).
+        return tl.load(ptrs, mask=(col_groups > 0)[None, :], other=0.0)
     t = tl.arange(0, 4)[None, :, None]
     ptrs = col_ptrs[:, None, None] + step * BLOCK_K + 32 * t + tl.arange(0, 8)[None, None, :]
     if MASK_K:
@@ -228,6 +242,7 @@ def _gemv_step(
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
     STEP_BYTES: tl.constexpr = 64, acc2=None, col_ptrs2=None, tail_step=None, tail_fix=None,
+    col_groups2=None,
 ):  # fmt: skip
     """One 128-column step; returns (acc, the next step's scales, acc2). STEP_BYTES: distance
     of a row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows);
@@ -236,7 +251,8 @@ def _gemv_step(
     SCALE_WORDS: ``scale_rows`` are the scales' aligned 32-bit words and ``scale_shift`` the
     byte's bit offset in them (``_scale_words``), and this step's scale is read here, by a
     plain load the loop's pipeline issues stages ahead. ``col_ptrs2`` (tile order only): a
-    second set of columns, multiplied by the same decoded tile into ``acc2``."""
+    second set of columns (``col_groups2`` as ``col_groups``), multiplied by the same decoded
+    tile into ``acc2``."""
     byte_ptrs = block_rows + step * STEP_BYTES
     if tail_fix is not None:
         byte_ptrs -= tl.where(step == tail_step, tail_fix, 0)
@@ -257,15 +273,15 @@ def _gemv_step(
         next_mask = 4 * step + 4 + t < row_groups
         next_scale = _load_scale(scale_rows + 4 * step + 4, next_mask, PTX)
     tile = _weight_tile(words, scale, BN, PTX, TILE_ORDER)
-    # Tile-order rows are zero past K (whole steps), and unused columns point at a real row:
-    # with the weights masked to 0 there, their loads need no mask (a masked activation load
-    # is vectorized only as far as its mask is constant: 4 bytes in wgmma order).
+    # Tile-order rows are zero past K (whole steps): with the weights masked to 0 there, their
+    # loads need no mask along k (a masked activation load is vectorized only as far as its
+    # mask is constant: 4 bytes in wgmma order), only the columns' own (col_groups > 0).
     activations = _activation_tile(col_ptrs, col_groups, step, MASK_K and not TILE_ORDER,
                                    TILE_ORDER)  # fmt: skip
     acc = _dot(tile, activations, acc, INTERPRET)
     if col_ptrs2 is not None:
-        acc2 = _dot(tile, _activation_tile(col_ptrs2, None, step, False, TILE_ORDER), acc2,
-                    INTERPRET)  # fmt: skip
+        acc2 = _dot(tile, _activation_tile(col_ptrs2, col_groups2, step, False, TILE_ORDER),
+                    acc2, INTERPRET)  # fmt: skip
     return acc, next_scale, acc2
 
 
@@ -276,6 +292,7 @@ def _mxfp4_gemv(
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
     STEP_BYTES: tl.constexpr = 64, col_ptrs2=None, tail_step=None, tail_fix=None,
+    col_groups2=None,
 ):  # fmt: skip
     """(acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns, acc2):
     with ``col_ptrs2`` [NC2] (tile order), acc2 [BN, NC2] is the same for those columns from
@@ -291,11 +308,12 @@ def _mxfp4_gemv(
     activations' order (ORDER_*; ``_activation_tile``), which also orders the weight tile; in
     a tile order every column pointer must point at a row whose padding past K is zeros
     (finite values only: the masked weights there decode to 0), as the router and gate_up
-    write them, and ``col_groups`` is not read. SCALE_WORDS: see ``_gemv_step``; the
-    default reads each step's scales one step ahead by ld.global.nc, which is right for the
-    bandwidth-bound decode (v4b), while wgmma's compute-bound tiles lose ~20% waiting on
-    it behind their cp.async stream (bench/RESULTS.md v7b). ``tail_step`` / ``tail_fix``: see
-    ``_gemv_step`` (blocks in step-major bands; with them STEP_BYTES is the band's LB·64)."""
+    write them, and ``col_groups`` (``col_groups2``) only masks whole columns. SCALE_WORDS:
+    see ``_gemv_step``; the default reads each step's scales one step ahead by ld.global.nc,
+    which is right for the bandwidth-bound decode (v4b), while wgmma's compute-bound tiles
+    lose ~20% waiting on it behind their cp.async stream (bench/RESULTS.md v7b).
+    ``tail_step`` / ``tail_fix``: see ``_gemv_step`` (blocks in step-major bands; with them
+    STEP_BYTES is the band's LB·64)."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
     if col_ptrs2 is None:
@@ -316,7 +334,7 @@ def _mxfp4_gemv(
             acc, scale, acc2 = _gemv_step(
                 acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
                 col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS,
-                scale_shift, STEP_BYTES, acc2, col_ptrs2, tail_step, tail_fix,
+                scale_shift, STEP_BYTES, acc2, col_ptrs2, tail_step, tail_fix, col_groups2,
             )  # fmt: skip
     return acc, acc2
 

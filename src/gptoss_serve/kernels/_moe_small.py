@@ -204,9 +204,13 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # decode batches) groups of 8 on mma.sync; since v7b with the activations in tile order
     # and the scales as words (H200, moe_prefill_columns.py --small, us per layer): 24 / 32 /
     # 48 / 64 / 96 / 128 tokens 372 / 435 / 522 / 560 / 632 / 660 -> 353 / 425 / 502 / 548 /
-    # 606 / 627 (2-5%; the words alone, in thread order, lose 2-9%).
+    # 606 / 627 (2-5%; the words alone, in thread order, lose 2-9%). Since v14 in the wgmma
+    # tile order on mma.sync (kWidth 2: _moe_gemv._weight_tile), once the unused MMA columns
+    # were no longer read: 32 / 64 tokens +1-2% (kernels.py, alternating; before that change
+    # it moved nothing, v13).
     (128, dataclasses.replace(
-        _COLUMNS, tile_order=True, scale_words=True, gate_up_stages=3, down_stages=3
+        _COLUMNS, tile_order=True, scale_words=True, gate_up_stages=3, down_stages=3,
+        wgmma_order=True,
     )),
     # Past 128 tokens, wgmma: 128-row tiles of 4 warps in the wgmma tile order
     # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are),
