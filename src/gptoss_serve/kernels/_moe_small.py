@@ -186,27 +186,19 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
                     down_stages=3, route_in_router=False)),
     (4, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
                     down_stages=3, route_in_router=False)),
-    # At T = 8, gate_up asks for two 128-column steps of a row at once (unroll 2, 2 stages):
-    # 115 -> 101 us; down with 8 rows and 2 warps 65.5 -> 60.9 us; the layer 187.8 -> 172.7
-    # us (bench/moe_profile.py, H200). At 16-64 tokens the same tiles were within noise or
-    # slower (T = 32: 609 -> 624 us), so the old ones stay there. Down on 3 stages since v8:
-    # the whole step at batch 6 / 8 8.501 / 9.847 -> 8.387 / 9.700 ms (gate_up on 3 stages
-    # and unroll 1 lost: 8.697 / 10.058).
-    (8, DecodeTiles(gate_up_rows=64, gate_up_stages=2, gate_up_unroll=2, down_warps=2,
-                    down_stages=3)),
-    (16, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
-                     down_stages=3)),
-    # From 17 tokens the pairs share experts enough to group them (_moe_columns.py): gate_up +
-    # down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us; at 16 they tie, at 8 the
-    # per-pair kernels win (bench/RESULTS.md v5, H200). 64-row tiles for both (2 warps, 4
-    # stages), from moe_profile.py's columns sweep: the whole MoE at 24 / 32 / 64 tokens
-    # 455 / 530 / 745 -> ~415 / 470 / 651 us against 32-row tiles. Up to 128 tokens (large
-    # decode batches) groups of 8 on mma.sync; since v7b with the activations in tile order
-    # and the scales as words (H200, moe_prefill_columns.py --small, us per layer): 24 / 32 /
-    # 48 / 64 / 96 / 128 tokens 372 / 435 / 522 / 560 / 632 / 660 -> 353 / 425 / 502 / 548 /
-    # 606 / 627 (2-5%; the words alone, in thread order, lose 2-9%). Since v14 in the wgmma
-    # tile order on mma.sync (kWidth 2: _moe_gemv._weight_tile), once the unused MMA columns
-    # were no longer read: 32 / 64 tokens +1-2% (kernels.py, alternating; before that change
+    # From 5 tokens the pairs grouped by expert (_moe_columns.py). From 17 tokens since v5: gate_up
+    # + down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us (H200). From 5 since v14, once
+    # a group's unused MMA columns were no longer read: the whole 120b step (bench/step_tiles.py,
+    # H200) at batch 2 / 4 / 6 / 8 / 16 3.404 / 4.907 / 6.256 / 7.304 / 12.43 ms on the per-pair
+    # rows (T = 8 had its own: gate_up unrolled 2 on 2 stages) against 3.748 / 4.855 / 5.965 / 6.945
+    # / 10.502 grouped. 64-row tiles for both (2 warps, 4 stages), from moe_profile.py's columns
+    # sweep: the whole MoE at 24 / 32 / 64 tokens 455 / 530 / 745 -> ~415 / 470 / 651 us against
+    # 32-row tiles. Up to 128 tokens (large decode batches) groups of 8 on mma.sync; since v7b with
+    # the activations in tile order and the scales as words (H200, moe_prefill_columns.py --small,
+    # us per layer): 24 / 32 / 48 / 64 / 96 / 128 tokens 372 / 435 / 522 / 560 / 632 / 660 -> 353 /
+    # 425 / 502 / 548 / 606 / 627 (2-5%; the words alone, in thread order, lose 2-9%). Since v14 in
+    # the wgmma tile order on mma.sync (kWidth 2: _moe_gemv._weight_tile), once the unused MMA
+    # columns were no longer read: 32 / 64 tokens +1-2% (kernels.py, alternating; before that change
     # it moved nothing, v13).
     (128, dataclasses.replace(
         _COLUMNS, tile_order=True, scale_words=True, gate_up_stages=3, down_stages=3,
