@@ -110,7 +110,7 @@ def _decode_variants() -> list:
     ("num_tokens", "group_size", "order", "scale_words", "extra"),
     [(1, 8, 0, False, 0), (20, 8, 0, False, 0), (80, 16, 0, False, 0), (1, 8, 1, False, 0),
      (20, 8, 1, False, 0), (80, 32, 1, False, 0), (20, 16, 2, False, 0), (80, 32, 2, True, 0),
-     (20, 8, 0, True, 0), (100, 32, 2, True, 16), (100, 32, 1, False, 16)],
+     (20, 8, 0, True, 0), (100, 32, 2, True, 16), (100, 32, 1, False, 16), (5, 8, 2, True, 0)],
 )  # fmt: skip
 def test_interpreter_grouped_columns(
     num_tokens: int, group_size: int, order: int, scale_words: bool, extra: int
@@ -122,7 +122,8 @@ def test_interpreter_grouped_columns(
     (H = 160: rows of 5 scale bytes, so most rows' scales start mid-word); an expert's short
     last group taken as 16 extra columns by its previous group's program (``extra``: at 100
     tokens the experts hold 42-58 pairs, so 3 overflow 32 by at most 16 and 5 by more).
-    Poisoned scratch, the kernels' own routing."""
+    Poisoned scratch, the kernels' own routing (up to 16 tokens the decode router writes x in
+    the tile order, past 16 the K-split router)."""
     from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
 
     tiles = _moe_small.DecodeTiles(
@@ -472,6 +473,7 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
         router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts)
         router |= dict(BLOCK_K=tiles.router_block_k or block_k, PDL=tiles.pdl)
         router |= dict(TOP_K=4, ROUTE=tiles.route_in_router, PRELOAD=tiles.router_preload)
+        router |= dict(TILE_ORDER=tiles.order)  # the grouped rows' x in their tile order
         ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
         assert ".local" not in ptx
         if tiles.pdl and tiles.router_preload and num_tokens == 1:  # weights before the wait

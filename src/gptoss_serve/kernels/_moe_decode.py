@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from gptoss_serve.kernels._moe_columns import _tile_order_step
 from gptoss_serve.kernels._moe_common import _to_bf16
 from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _slot_blocks, _tile_slots
 from gptoss_serve.kernels._moe_routing import _topk_softmax, _write_routing
@@ -50,10 +51,12 @@ def _router_kernel(
     routing_weights_ptr, num_tokens, stride_x,
     H: tl.constexpr, E: tl.constexpr, T_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr,
-    PRELOAD: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False, TILE_ORDER: tl.constexpr = 0,
 ):  # fmt: skip
     """logits [T, E] fp32 = x @ Wr^T + br for BLOCK_E experts; x_thread [T, H] bf16 for the
-    BLOCK_K chunks c with c % num_programs == program (each chunk written once).
+    BLOCK_K chunks c with c % num_programs == program (each chunk written once), in thread
+    order, or with TILE_ORDER (_moe_gemv.ORDER_MMA / ORDER_WGMMA) in that tile order, rows
+    128·ceil(H / 128) long with the padding past H written as zeros.
 
     ROUTE: the last program to finish (a ticket from ``counter_ptr``) also writes every
     token's top-k expert ids [T, k] int32 and routing weights [T, k] fp32, once, so that the
@@ -63,6 +66,7 @@ def _router_kernel(
     pid = tl.program_id(0)
     experts = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     ONE_STEP: tl.constexpr = PRELOAD and BLOCK_K >= H
+    WIDTH: tl.constexpr = 128 * ((H + 127) // 128)  # a tile-order row
     if ONE_STEP:
         w_first = _router_weights(weight_ptr, experts, tl.arange(0, BLOCK_K), H, E)
     if PDL:  # x comes from the previous kernel
@@ -84,11 +88,19 @@ def _router_kernel(
             w = _router_weights(weight_ptr, experts, ks, H, E)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if (k0 // BLOCK_K) % tl.num_programs(0) == pid:
-            tl.store(
-                x_thread_ptr + tokens[:, None] * H + ks[None, :],
-                _thread_order(x, BLOCK_K),
-                mask=token_mask[:, None] & k_mask[None, :],
-            )
+            if TILE_ORDER:  # BLOCK_K a multiple of 128: whole steps (x is 0 past H)
+                steps = tl.reshape(x, [T_PAD * (BLOCK_K // 128), 128])
+                tl.store(
+                    x_thread_ptr + tokens[:, None] * WIDTH + ks[None, :],
+                    tl.reshape(_tile_order_step(steps, TILE_ORDER), [T_PAD, BLOCK_K]),
+                    mask=token_mask[:, None] & (ks < WIDTH)[None, :],
+                )
+            else:
+                tl.store(
+                    x_thread_ptr + tokens[:, None] * H + ks[None, :],
+                    _thread_order(x, BLOCK_K),
+                    mask=token_mask[:, None] & k_mask[None, :],
+                )
     if PDL:  # the next kernel's programs may come in now, for this one's tail
         gdc_launch_dependents()
     bias = tl.load(bias_ptr + experts, mask=experts < E, other=0.0).to(tl.float32)

@@ -302,10 +302,9 @@ def mxfp4_moe_decode(
     else:
         ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
         gates = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-        # x for the GEMVs: thread order, or tile order (padded to whole steps) when the
-        # K-split router can write it so.
-        tile_in_router = tiles.tile_order and num_tokens > ROUTER_MAX_TOKENS
-        x_thread = _scratch((num_tokens, row_width(hidden, tile_in_router)), torch.bfloat16,
+        # x for the GEMVs, written by the router: thread order, or a tile order (padded to
+        # whole steps).
+        x_thread = _scratch((num_tokens, row_width(hidden, tiles.tile_order)), torch.bfloat16,
                             device, poison)  # fmt: skip
         logits = _scratch((num_tokens, weights.num_experts), torch.float32, device, poison)
         # The router's last program writes the routing once, or gate_up computes it from the
@@ -316,8 +315,6 @@ def mxfp4_moe_decode(
         )
         if num_tokens > ROUTER_MAX_TOKENS:
             logits = None  # not computed
-        if tiles.tile_order and not tile_in_router:  # the decode router writes thread order
-            x_thread = tile_order(x, tiles.order)
     inter_width = row_width(weights.intermediate_size, tiles.tile_order)
     h = _scratch((num_tokens * top_k, inter_width), torch.bfloat16, device, poison)
     if out is None:
@@ -346,9 +343,10 @@ def launch_router(
     ids: torch.Tensor | None = None,
     gates: torch.Tensor | None = None,
 ) -> None:
-    """x [T, H] -> logits [T, E] fp32 and x_thread [T, H] (thread order); with ``ids`` and
-    ``gates`` [T, k] given, also the top-k routing into them. Past ROUTER_MAX_TOKENS tokens:
-    the routing (``ids`` required) and x_thread only, through the K-split router."""
+    """x [T, H] -> logits [T, E] fp32 and x_thread: [T, H] in thread order, or with
+    ``tiles.tile_order`` [T, 128·ceil(H / 128)] in ``tiles.order``; with ``ids`` and ``gates``
+    [T, k] given, also the top-k routing into them. Past ROUTER_MAX_TOKENS tokens: the
+    routing (``ids`` required) and x_thread only, through the K-split router."""
     num_tokens, hidden = x.shape
     route = ids is not None
     if num_tokens > ROUTER_MAX_TOKENS:
@@ -358,6 +356,7 @@ def launch_router(
                             split_k=tiles.router_split_k, block_t=tiles.router_block_t,
                             finish_tokens=tiles.router_finish_tokens)  # fmt: skip
         return
+    _check_rows("x_thread", x_thread, hidden, tiles.tile_order)
     counter = weights.router_counter
     if route and counter is None:
         counter = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -369,7 +368,8 @@ def launch_router(
         counter if route else logits, ids if route else logits, gates if route else logits,
         num_tokens, x.stride(0), H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens),
         BLOCK_E=block_e, BLOCK_K=block_k, TOP_K=ids.shape[1] if route else 1, ROUTE=route,
-        PDL=_pdl(tiles), PRELOAD=tiles.router_preload, num_warps=4, launch_pdl=_pdl(tiles),
+        PDL=_pdl(tiles), PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
+        num_warps=4, launch_pdl=_pdl(tiles),
     )  # fmt: skip
 
 
