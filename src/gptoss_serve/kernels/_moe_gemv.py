@@ -150,8 +150,9 @@ def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr, ORDER: tl.co
         # bit width when a tl.join is in the operand's backward slice (the decode's), which
         # gives mma.sync kWidth 4, and then its B registers pair across two MMAs (33 moves a
         # warp-step). Past the identity mma.sync takes kWidth 2, whose A fragment is the
-        # wgmma order's (lane t on columns 2t, 2t + 1): 428 -> 381 loop instructions at 64
-        # tokens. Compiles to nothing on wgmma's own path (bench/RESULTS.md v13, v14).
+        # wgmma order's (lane t on columns 2t, 2t + 1): gate_up's loop at 64 tokens 431 -> 404
+        # instructions a warp-step. Compiles to nothing on wgmma's own path (bench/RESULTS.md
+        # v13, v14).
         tile = tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [tile], dtype=tl.bfloat16,
                                          is_pure=False, pack=1)  # fmt: skip
     return tile
