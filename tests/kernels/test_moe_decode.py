@@ -239,6 +239,52 @@ def test_split_router_refuses_short_tile_rows() -> None:
         _moe_small._launch_wide_router(x, weights, torch.empty_like(x), ids, gates, order=1)
 
 
+def check_decode_router(
+    x: torch.Tensor, weights: MoeWeights, order: int, block_k: int | None = None
+) -> None:
+    """The decode router (up to 16 tokens) for the grouped rows: the routing equals the fp32
+    reference's on clear tokens, and x_thread is x in the tile order ``order``, zero padded to
+    whole 128-column steps, bit for bit (a poisoned buffer: every position is written);
+    ``block_k``: the router's columns a step (None: the launcher's choice)."""
+    from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
+
+    num_tokens, hidden = x.shape
+    tiles = dataclasses.replace(
+        _moe_small.decode_tiles_for(16), wgmma_order=order == 2, router_block_k=block_k
+    )
+    assert tiles.tile_order and tiles.order == order
+    ids = torch.full((num_tokens, 4), -7, dtype=torch.int32, device=x.device)
+    gates = poisoned((num_tokens, 4), torch.float32, str(x.device))
+    logits = poisoned((num_tokens, weights.num_experts), torch.float32, str(x.device))
+    x_thread = poisoned((num_tokens, _moe_small.row_width(hidden, True)), torch.bfloat16,
+                        str(x.device))  # fmt: skip
+    _moe_small.launch_router(x, weights, logits, x_thread, tiles, ids=ids, gates=gates)
+    expected_ids, expected_weights = reference_routing(x, weights)
+    clear = clear_tokens(x, weights)
+    assert_same_routing(ids[clear], gates[clear], expected_ids[clear], expected_weights[clear])
+    assert torch.equal(x_thread, _moe_small.tile_order(x, order))
+    with pytest.raises(ValueError, match="whole 128-steps"):  # [T, H] rows are too short
+        _moe_small.launch_router(x, weights, logits, torch.empty_like(x), tiles, ids=ids,
+                                 gates=gates)  # fmt: skip
+
+
+@interpreter
+@pytest.mark.parametrize(("num_tokens", "order", "block_k"), [(5, 1, None), (5, 2, None),
+                                                              (16, 2, 128)])  # fmt: skip
+def test_interpreter_decode_router_tile_order(num_tokens: int, order: int, block_k) -> None:
+    """H = 160: two steps, the second mostly padding; x in one 256-column chunk (the
+    launcher's BLOCK_K here), or in 128-column chunks that two programs write."""
+    x, weights = random_x(num_tokens, 160, seed=61), random_weights(8, 160, 96, seed=60)
+    check_decode_router(x, weights, order, block_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_tokens", "order"), [(5, 2), (8, 1), (16, 2)])
+def test_gpu_decode_router_tile_order(gpu_weights: MoeWeights, num_tokens: int, order: int):
+    check_decode_router(random_x(num_tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights,
+                        order)  # fmt: skip
+
+
 @interpreter
 def test_interpreter_split_router() -> None:
     """40 tokens (two blocks of 32, the second ragged), H = 160 in parts of 64 (the last
