@@ -284,6 +284,45 @@ def test_nan_temperature_is_rejected(client: TestClient) -> None:
     assert_healthy(client)
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"model": "demo", "input": "Hi \\ud800 there"}', "input"),
+        (
+            b'{"model": "demo", "input": [{"role": "user", "content": [{"type": "input_text", '
+            b'"text": "\\udfff"}]}]}',
+            "input[0].content[0].text",
+        ),
+        (b'{"model": "demo", "input": "Hi", "instructions": "\\ud83d"}', "instructions"),
+        (b'{"model": "demo", "input": "Hi", "metadata": {"k": "\\udc00"}}', "metadata.k"),
+    ],
+)
+def test_lone_surrogate_is_a_400_naming_the_field(
+    client: TestClient, body: bytes, param: str
+) -> None:
+    """A \\ud800-\\udfff escape without its pair is valid JSON but not Unicode text: the
+    Harmony renderer cannot take it (it was a 500). A paired escape (an emoji) is fine."""
+    response = client.post(
+        "/v1/responses", content=body, headers={"content-type": "application/json"}
+    )
+    assert_error(response, 400, param)
+    assert "surrogate" in response.json()["error"]["message"]
+    paired = b'{"model": "demo", "input": "Hi \\ud83d\\ude00"}'
+    response = client.post(
+        "/v1/responses", content=paired, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200
+    assert_healthy(client)
+
+
+def test_json_body_without_json_content_type_says_so(client: TestClient) -> None:
+    response = client.post(
+        "/v1/responses", content=json.dumps(BASE), headers={"content-type": "text/plain"}
+    )
+    assert_error(response, 400, None, "invalid_json")
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
+
+
 def test_valid_request_still_works_after_errors(client: TestClient) -> None:
     for body in (with_base(temperature="hot"), with_base(model="nope"), with_base(input=[])):
         assert client.post("/v1/responses", json=body).status_code in (400, 404)

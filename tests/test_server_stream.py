@@ -250,3 +250,20 @@ def test_client_disconnect_aborts_generation() -> None:
                 break
             time.sleep(0.02)
     assert len(engine.aborted) == 1
+
+
+def test_client_disconnect_aborts_a_non_streaming_response() -> None:
+    """A client that gives up on a plain (non-streaming) request (a timeout, a closed socket)
+    frees the engine at once: the generation stops instead of running to max_output_tokens."""
+    engine = ScriptedEngine([harmony_tokens("<|channel|>analysis<|message|>" + "word " * 400)])
+    engine.delay = 0.01  # ~4 s of tokens
+    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
+    with running_server(app) as base_url:
+        payload = {"model": "demo", "input": "Hi"}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base_url}/v1/responses", json=payload, timeout=0.3)
+        for _ in range(100):  # 2 s: well before the script's end
+            if engine.aborted:
+                break
+            time.sleep(0.02)
+    assert len(engine.aborted) == 1

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+from collections.abc import AsyncIterator, Coroutine
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Query
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gptoss_serve import __version__
 from gptoss_serve.config import ServerConfig
@@ -30,6 +31,7 @@ from gptoss_serve.server.store import ResponseStore
 logger = logging.getLogger(__name__)
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 500)}
+_CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: logged, never read
 _SSE_DOC = {
     200: {
         "description": "The response object, or with `stream: true` a text/event-stream of "
@@ -51,16 +53,17 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     model = ModelObject(id=engine.info.model_name, created=engine.info.created_at)
 
     @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, **_SSE_DOC})
-    async def create_response(body: CreateResponseRequest):
+    async def create_response(body: CreateResponseRequest, request: Request):
         prepared = prepare(body, engine, store, config)
-        if body.stream:
+        if body.stream:  # StreamingResponse itself stops the stream when the client leaves
             return StreamingResponse(
                 _sse(prepared, engine, store),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        async for _ in run(prepared, engine, store):
-            pass
+        if not await _unless_client_leaves(_complete(prepared, engine, store), request):
+            logger.info("response %s: the client left; generation stopped", prepared.response.id)
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
         return JSONResponse(prepared.response.dump())
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
@@ -121,6 +124,40 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
         return {"status": "ok"}
 
     return app
+
+
+async def _complete(prepared: Prepared, engine: EngineClient, store: ResponseStore) -> None:
+    """A non-streaming response, generated to its end (``prepared.response`` holds it)."""
+    async for _ in run(prepared, engine, store):
+        pass
+
+
+async def _client_left(request: Request) -> None:
+    """Returns once the client has closed the connection (its body is read already, so the
+    next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_leaves(work: Coroutine[Any, Any, None], request: Request) -> bool:
+    """Run ``work`` to its end (True), or cancel it when the client disconnects first (False):
+    a plain request's generation would otherwise run on to max_output_tokens for nobody, and
+    an SDK that timed out and retried would have two. Cancelling closes the engine's token
+    generator, which aborts the request in the engine."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait((task, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled (shutdown)
+        left.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()  # the generation's own error, if any, goes to the error handlers
+    return True
 
 
 async def _sse(

@@ -116,10 +116,15 @@ def from_validation_error(error: RequestValidationError, body: Any) -> APIError:
     errors = list(error.errors())
     first = max(errors, key=lambda e: _rank(body, e))
     kind = first.get("type", "")
-    if first["loc"][:1] == ("body",) and (kind == "json_invalid" or not isinstance(body, dict)):
+    whole_body = first["loc"] == ("body",)
+    if first["loc"][:1] == ("body",) and (
+        kind == "json_invalid" or not isinstance(body, dict) or whole_body
+    ):
         detail = "the request body must be a JSON object"
         if kind == "json_invalid":
             detail = first.get("ctx", {}).get("error", first.get("msg", ""))
+        elif isinstance(body, dict):  # a JSON object, not sent as one (FastAPI did not parse it)
+            detail = "send it with the header 'Content-Type: application/json'"
         return bad_request(
             f"We could not parse the JSON body of your request: {detail}", None, "invalid_json"
         )

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ def prepare(
             f"'{info.model_name}'.", param="model", code="model_not_found",
         )  # fmt: skip
     _check_unsupported(request)
+    _check_text(request.model_dump(by_alias=True, exclude_unset=True))
     tools = _check_tools(request)
     history = _history(request, store)
     converter = InputConverter(history, store.item)
@@ -144,6 +146,27 @@ def _check_unsupported(request: CreateResponseRequest) -> None:
         if value not in SUPPORTED_INCLUDES:
             raise bad_request(f"include value '{value}' is not supported by this server.",
                               f"include[{index}]", "unsupported_parameter")  # fmt: skip
+
+
+# JSON's \ud800-\udfff escapes decode to lone UTF-16 surrogates, which are not Unicode text:
+# the Harmony renderer (Rust) and the store cannot take them.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(value: Any, path: str = "") -> None:
+    """Refuse a request whose strings (at any depth of its JSON) hold a lone surrogate."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value):
+            raise bad_request(f"Invalid value for '{path}': the string holds a lone UTF-16 "
+                              "surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                              "valid Unicode.", path or None)  # fmt: skip
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_text(item, f"{path}[{index}]")
 
 
 def _check_tools(request: CreateResponseRequest) -> tuple[FunctionTool, ...]:
