@@ -11,8 +11,6 @@ skipped op's output is its input (or a fixed buffer), so the logits are not the 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import logging
 import statistics
 import sys
@@ -26,7 +24,7 @@ from gpu_model import DecodeStep
 
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
-from kernels import commit, graph_time_ms
+from kernels import graph_time_ms, write_results
 
 logger = logging.getLogger("bench.step_skip")
 
@@ -100,13 +98,7 @@ def main() -> int:
                    "whole_ms": [round(whole[-2], 4), round(whole[-1], 4)]}  # fmt: skip
             logger.info("%s", row)
             rows.append(row)
-    result = {
-        "device": torch.cuda.get_device_name(), "commit": commit(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "context": args.context, "rows": rows,
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, context=args.context, rows=rows)
     sys.stdout.write(f"\nwhole step without one op, context {args.context} (ms)\n")
     sys.stdout.write(f"{'batch':>5} {'skipped':>10} {'ms':>9} {'whole before/after':>20} saved\n")
     for row in rows:

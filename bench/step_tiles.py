@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
-import json
 import logging
 import statistics
 import sys
@@ -38,7 +36,7 @@ from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _attention_decode as attention
 from gptoss_serve.kernels import _moe_small as small
 from gptoss_serve.kernels import linear
-from kernels import commit, graph_time_ms
+from kernels import graph_time_ms, write_results
 
 LITERALS = {"None": None, "True": True, "False": False}
 
@@ -113,17 +111,11 @@ def main() -> int:
         rows.append({"variant": text, "ms": round(ms, 4), "table_ms": table_ms,
                      "logits_equal": bool(torch.equal(logits, base_logits))})  # fmt: skip
         base_ms = again_ms
-    result = {
-        "device": torch.cuda.get_device_name(), "commit": commit(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "batch": args.batch, "context": args.context, "target": args.target,
-        "table_row": str({"attention": attention.gpu_tiles_for(args.batch),
-                          "dense": f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS}"}.get(
-                              args.target, small.decode_tiles_for(args.batch))),
-        "rows": rows,
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    table_row = {"attention": attention.gpu_tiles_for(args.batch),
+                 "dense": f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS}"}.get(
+                     args.target, small.decode_tiles_for(args.batch))  # fmt: skip
+    write_results(args.out, batch=args.batch, context=args.context, target=args.target,
+                  table_row=str(table_row), rows=rows)  # fmt: skip
     sys.stdout.write(f"\nwhole step, batch {args.batch}, context {args.context} (ms)\n")
     sys.stdout.write(f"{'variant':60} {'ms':>8} {'table before/after':>20} logits\n")
     for row in rows:
