@@ -527,11 +527,13 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
 
 
 def columns_ptx(tiles) -> list[str]:
-    """PTX of the grouped columns' gate_up and down as launched at 120b shapes."""
+    """PTX of the grouped columns' gate_up and down as the engine launches them at 120b shapes:
+    the blocks in bands of 16 rows padded to whole steps (no masks in tile order)."""
     from gptoss_serve.kernels import _moe_columns  # noqa: PLC0415
-    from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_small import _full_steps  # noqa: PLC0415
+    from gptoss_serve.kernels.mxfp4_layout import STEP_ROWS  # noqa: PLC0415
 
-    steps = {k: v for k, v in split_plan(2880, 1).items() if k in ("STEPS", "FULL_STEPS")}
+    steps = _full_steps(2880, whole=tiles.tile_order) | {"LB": STEP_ROWS}
     pointers = {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16"}
     pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8", "routing_weights_ptr": "*fp32"}
     pointers |= {"y_ptr": "*fp32"}

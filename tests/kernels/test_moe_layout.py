@@ -1,6 +1,7 @@
 """The blocks' step-rows layout (kernels/mxfp4_layout.py): the torch re-layout and its
-inverse, the references on re-laid weights, and every Triton MoE path giving the same bits
-on re-laid weights as on the checkpoint's rows (only the addresses differ)."""
+inverse, padded to whole steps, the references on re-laid weights, and every Triton MoE path
+giving the same bits on re-laid weights as on the checkpoint's rows (only the addresses and
+the zero padding differ)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import torch
 from moe_cases import INTERPRETING, fresh_seed, random_weights, random_x
 
 from gptoss_serve.kernels.moe import MoeWeights, mxfp4_moe_reference
-from gptoss_serve.kernels.mxfp4_layout import from_step_rows, to_step_rows
+from gptoss_serve.kernels.mxfp4_layout import (
+    from_step_rows,
+    scales_to_step_rows,
+    stored_groups,
+    to_step_rows,
+)
 
 needs_triton = pytest.mark.skipif(
     not INTERPRETING, reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1"
@@ -20,11 +26,10 @@ needs_triton = pytest.mark.skipif(
 
 def byte_offset(n: int, g: int, groups: int, rows: int) -> int:
     """The layout's documented address of (row n, group g) in one matrix, in bytes."""
-    full, tail = groups // 4, 16 * (groups % 4)
-    band = (n // rows) * rows * groups * 16
-    if g < 4 * full:
-        return band + (g // 4) * rows * 64 + (n % rows) * 64 + (g % 4) * 16
-    return band + full * rows * 64 + (n % rows) * tail + (g % 4) * 16
+    if rows == 1:
+        return (n * groups + g) * 16
+    band = (n // rows) * rows * stored_groups(groups, rows) * 16
+    return band + (g // 4) * rows * 64 + (n % rows) * 64 + (g % 4) * 16
 
 
 @pytest.mark.parametrize(
@@ -33,19 +38,34 @@ def byte_offset(n: int, g: int, groups: int, rows: int) -> int:
      ((2, 16, 8, 16), 1)],
 )  # fmt: skip
 def test_step_rows_layout(shape: tuple[int, ...], rows: int) -> None:
-    """Round trip, and every byte where the layout's formula puts it (K = 2880: 22 steps and
-    a half; 5 and 3 groups: a one- and a three-group tail; 8: no tail)."""
+    """Round trip, every byte where the layout's formula puts it and zeros in the padding to
+    whole steps (K = 2880: 22 steps and a half; 5 and 3 groups: a one- and a three-group
+    partial step; 8: none)."""
     generator = torch.Generator().manual_seed(fresh_seed())
     blocks = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
     laid = to_step_rows(blocks, rows)
-    assert laid.shape == blocks.shape
-    assert torch.equal(from_step_rows(laid, rows), blocks)
-    _, n_rows, groups, _ = shape
-    flat = laid.reshape(shape[0], -1)
+    lead, n_rows, groups, _ = shape
+    stored = stored_groups(groups, rows)
+    assert laid.shape == (lead, n_rows, stored, 16)
+    assert torch.equal(from_step_rows(laid, rows, groups), blocks)
+    flat = laid.reshape(lead, -1)
+    written = torch.zeros(flat.shape, dtype=torch.bool)
     for n in range(n_rows):
         for g in range(groups):
             offset = byte_offset(n, g, groups, rows)
             assert torch.equal(flat[:, offset : offset + 16], blocks[:, n, g])
+            written[:, offset : offset + 16] = True
+    assert not flat[~written].any()  # the padding
+    scales = torch.randint(0, 256, shape[:-1], dtype=torch.uint8, generator=generator)
+    padded = scales_to_step_rows(scales, rows)
+    assert padded.shape == (lead, n_rows, stored)
+    assert torch.equal(padded[..., :groups], scales) and not padded[..., groups:].any()
+
+
+def test_step_rows_refuses_other_groups() -> None:
+    laid = to_step_rows(torch.zeros(1, 16, 5, 16, dtype=torch.uint8), 16)
+    with pytest.raises(ValueError, match="do not hold 9"):
+        from_step_rows(laid, 16, 9)
 
 
 def test_step_rows_must_divide_the_rows() -> None:
@@ -62,8 +82,15 @@ def test_reference_reads_step_rows() -> None:
     laid = weights.with_step_rows(16)
     assert laid.step_rows == 16
     assert not torch.equal(laid.gate_up_blocks, weights.gate_up_blocks)
-    assert torch.equal(laid.checkpoint_blocks(5)[1], weights.down_blocks[5])
+    assert laid.gate_up_scales.shape[-1] == 8  # 5 groups padded to two whole steps
+    gate_up, gate_up_scales, down, down_scales = laid.checkpoint_matrices(5)
+    assert torch.equal(gate_up, weights.gate_up_blocks[5])
+    assert torch.equal(gate_up_scales, weights.gate_up_scales[5])
+    assert torch.equal(down, weights.down_blocks[5])
+    assert torch.equal(down_scales, weights.down_scales[5])
+    laid.check()
     assert torch.equal(laid.with_step_rows(1).gate_up_blocks, weights.gate_up_blocks)
+    assert torch.equal(laid.with_step_rows(1).down_scales, weights.down_scales)
     x = random_x(7, 160)
     assert torch.equal(mxfp4_moe_reference(x, laid), mxfp4_moe_reference(x, weights))
 
@@ -103,7 +130,7 @@ def test_interpreter_step_rows_grouped_gemm_same_bits() -> None:
     expected = dequantize_mxfp4_triton(weights.gate_up_blocks[2], weights.gate_up_scales[2])
     actual = dequantize_mxfp4_triton(laid.gate_up_blocks[2], laid.gate_up_scales[2],
                                      step_rows=16)  # fmt: skip
-    assert torch.equal(actual, expected)
+    assert torch.equal(actual[:, :160], expected) and not actual[:, 160:].any()
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ from gptoss_serve.kernels._moe_gemv import (
     _mxfp4_gemv,
     _scale_words,
     _slot_blocks,
+    _stored_groups,
     _tile_slots,
 )
 
@@ -172,24 +173,23 @@ def _expert_rows(blocks_ptr, scales_ptr, expert, n0, N: tl.constexpr, K: tl.cons
                  BN: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
                  LB: tl.constexpr = 1):  # fmt: skip
     """The GEMV slots of rows [n0, n0 + BN) of ``expert``'s [N, K] MXFP4 matrix, unsplit:
-    (block pointers, scale pointers, valid groups per slot, group lane t, scale shifts, and
-    the band's tail step and pointer fix: _moe_gemv._slot_blocks, blocks in bands of LB rows).
-    SCALE_WORDS: the scale pointers point at aligned words and the shifts pick the byte
-    (_moe_gemv._scale_words); else the shifts are unused (t)."""
+    (block pointers, scale pointers, valid groups per slot, group lane t, scale shifts), the
+    blocks and scales in bands of LB rows (_moe_gemv._slot_blocks). SCALE_WORDS: the scale
+    pointers point at aligned words and the shifts pick the byte (_moe_gemv._scale_words);
+    else the shifts are unused (t)."""
     G: tl.constexpr = K // 32
+    GS: tl.constexpr = _stored_groups(G, LB)
     rows, t = _tile_slots(BN)
     row = n0 + rows
     row_groups = tl.where(row < N, G, 0)
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
-    block_rows, tail_step, tail_fix = _slot_blocks(
-        blocks_ptr + expert * (N * K // 2), row, t, G, LB
-    )
-    scale_offsets = expert * (N * G) + row * G + t
+    block_rows = _slot_blocks(blocks_ptr + expert * (N * GS * 16), row, t, G, LB)
+    scale_offsets = expert * (N * GS) + row * GS + t
     if SCALE_WORDS:
         scale_rows, shifts = _scale_words(scales_ptr, scale_offsets)
     else:
         scale_rows, shifts = scales_ptr + scale_offsets, t
-    return block_rows, scale_rows, row_groups, t, shifts, tail_step, tail_fix
+    return block_rows, scale_rows, row_groups, t, shifts
 
 
 @triton.jit
@@ -262,7 +262,7 @@ def _columns_gate_up_kernel(
             return
     else:
         extra: tl.constexpr = False
-    block_rows, scale_rows, row_groups, t, shifts, tail_step, tail_fix = _expert_rows(
+    block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, H, BN, SCALE_WORDS, LB
     )
     out_rows = n0 + tl.arange(0, BN)
@@ -272,8 +272,7 @@ def _columns_gate_up_kernel(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
             TILE_ORDER, SCALE_WORDS, shifts, STEP_BYTES=LB * 64,
-            col_ptrs2=x_thread_ptr + tokens2 * X_STRIDE, tail_step=tail_step, tail_fix=tail_fix,
-            col_groups2=tl.where(valid2, G, 0),
+            col_ptrs2=x_thread_ptr + tokens2 * X_STRIDE, col_groups2=tl.where(valid2, G, 0),
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -283,8 +282,7 @@ def _columns_gate_up_kernel(
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
-            TILE_ORDER, SCALE_WORDS, shifts, STEP_BYTES=LB * 64, tail_step=tail_step,
-            tail_fix=tail_fix,
+            TILE_ORDER, SCALE_WORDS, shifts, STEP_BYTES=LB * 64,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -345,7 +343,7 @@ def _columns_down_kernel(
             return
     else:
         extra: tl.constexpr = False
-    block_rows, scale_rows, row_groups, t, shifts, tail_step, tail_fix = _expert_rows(
+    block_rows, scale_rows, row_groups, t, shifts = _expert_rows(
         blocks_ptr, scales_ptr, expert, n0, N, K, BN, SCALE_WORDS, LB
     )
     col_ptrs = h_ptr + tl.where(valid, pairs, 0).to(tl.int64) * H_STRIDE
@@ -357,7 +355,7 @@ def _columns_down_kernel(
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
             STEP_BYTES=LB * 64,
             col_ptrs2=h_ptr + tl.where(valid2, pairs2, 0).to(tl.int64) * H_STRIDE,
-            tail_step=tail_step, tail_fix=tail_fix, col_groups2=tl.where(valid2, G, 0),
+            col_groups2=tl.where(valid2, G, 0),
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -366,7 +364,7 @@ def _columns_down_kernel(
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
-            STEP_BYTES=LB * 64, tail_step=tail_step, tail_fix=tail_fix,
+            STEP_BYTES=LB * 64,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()

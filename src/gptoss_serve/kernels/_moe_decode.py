@@ -33,7 +33,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._moe_columns import _tile_order_step
 from gptoss_serve.kernels._moe_common import _to_bf16
-from gptoss_serve.kernels._moe_gemv import ACC_SCALE, _mxfp4_gemv, _slot_blocks, _tile_slots
+from gptoss_serve.kernels._moe_gemv import (
+    ACC_SCALE,
+    _mxfp4_gemv,
+    _slot_blocks,
+    _stored_groups,
+    _tile_slots,
+)
 from gptoss_serve.kernels._moe_routing import _topk_softmax, _write_routing
 
 
@@ -183,6 +189,7 @@ def _gate_up_kernel(
     ROUTED: expert ids and weights [P] are given; else from the logits, and written here."""
     R: tl.constexpr = BN // SPLIT
     G: tl.constexpr = H // 32
+    GS: tl.constexpr = _stored_groups(G, LB)  # a row's groups as stored (bands: whole steps)
     pair = tl.program_id(0) % num_pairs
     col_block = tl.program_id(0) // num_pairs  # pairs fastest: concurrent programs share rows
     token = pair // TOP_K
@@ -206,10 +213,8 @@ def _gate_up_kernel(
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
     expert = expert.to(tl.int64)
     first_group = part * SPLIT_GROUPS + t
-    block_rows, tail_step, tail_fix = _slot_blocks(
-        blocks_ptr + expert * (N * H // 2), row, first_group, G, LB
-    )
-    scale_rows = scales_ptr + expert * (N * H // 32) + row * G + first_group
+    block_rows = _slot_blocks(blocks_ptr + expert * (N * GS * 16), row, first_group, G, LB)
+    scale_rows = scales_ptr + expert * (N * GS) + row * GS + first_group
     # 8 activation columns (one n8 MMA), column c holding part c % SPLIT: each lane loads
     # just its own column, and the load matches the MMA operand's lanes (no shuffle).
     cols = tl.arange(0, 8)
@@ -218,7 +223,6 @@ def _gate_up_kernel(
     acc, _ = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, _part_groups(col_part, G, SPLIT_GROUPS),
         BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, STEP_BYTES=LB * 64,
-        tail_step=tail_step, tail_fix=tail_fix,
     )  # fmt: skip
     if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
         gdc_launch_dependents()
@@ -252,6 +256,7 @@ def _down_kernel(
     K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
     BN: tl.constexpr = K_PAD * SPLIT * BR
     G: tl.constexpr = K // 32
+    GS: tl.constexpr = _stored_groups(G, LB)  # a row's groups as stored (bands: whole steps)
     token = tl.program_id(0)
     n0 = tl.program_id(1) * BR
     slots = tl.arange(0, K_PAD)
@@ -269,10 +274,8 @@ def _down_kernel(
     row = tl.minimum(row, N - 1)  # rows past the end read row N - 1 (unmasked main loop)
     row_expert = tl.sum(tl.where(slot[:, None] == slots[None, :], ids[None, :], 0), 1)
     first_group = part * SPLIT_GROUPS + t
-    block_rows, tail_step, tail_fix = _slot_blocks(
-        blocks_ptr + row_expert * (N * K // 2), row, first_group, G, LB
-    )
-    scale_rows = scales_ptr + row_expert * (N * K // 32) + row * G + first_group
+    block_rows = _slot_blocks(blocks_ptr + row_expert * (N * GS * 16), row, first_group, G, LB)
+    scale_rows = scales_ptr + row_expert * (N * GS) + row * GS + first_group
     # At least 8 activation columns (one n8 MMA; each lane loads its own column): column c is
     # part c % SPLIT of slot c // SPLIT, wrapped; padding slots read slot TOP_K - 1.
     cols = tl.arange(0, max(8, K_PAD * SPLIT))
@@ -284,7 +287,6 @@ def _down_kernel(
     acc, _ = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
         BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, STEP_BYTES=LB * 64,
-        tail_step=tail_step, tail_fix=tail_fix,
     )  # fmt: skip
     if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
         gdc_launch_dependents()

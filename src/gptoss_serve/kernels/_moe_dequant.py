@@ -1,12 +1,12 @@
 """Triton bodies of the in-register MXFP4 decode (OCP MX v1.0: E2M1 elements, E8M0 scales).
 
 Weights stay MXFP4: for one expert, ``blocks`` [N, K/32, 16] uint8 (in the checkpoint, row n
-holds K/2 contiguous bytes; on CUDA the engine reorders them into step rows, LB, which
-``_packed_offsets`` follows: kernels/mxfp4_layout.py; byte b of a group holds element 2b in its
-low nibble, 2b+1 in its high nibble) and ``scales`` [N, K/32] uint8 (the checkpoint's rows),
-value = code_value · 2^(s−127). A tile of BN rows
-x BLOCK_K columns is read as [BN, BLOCK_K/32, 16] bytes (16-byte vector loads) plus
-[BN, BLOCK_K/32] scales and decoded in registers; bf16 weights never exist in memory.
+holds K/2 contiguous bytes; on CUDA the engine reorders them into step rows, LB, padded to
+whole steps, which ``_packed_offsets`` follows: kernels/mxfp4_layout.py; byte b of a group
+holds element 2b in its low nibble, 2b+1 in its high nibble) and ``scales`` [N, K/32] uint8
+(rows as far apart as their stride: padded with the blocks), value = code_value · 2^(s−127).
+A tile of BN rows x BLOCK_K columns is read as [BN, BLOCK_K/32, 16] bytes (16-byte vector
+loads) plus [BN, BLOCK_K/32] scales and decoded in registers; bf16 weights never exist in memory.
 
 Two decodes with identical results (the GPU test checks both bit for bit):
 - portable Triton: a nibble placed at fp16 bits 15 (sign) and 11-9 (magnitude eem) reads as
@@ -63,17 +63,12 @@ _E2M1_PTX = tl.constexpr(
 def _packed_offsets(rows, groups, K, stride_block_row, LB: tl.constexpr):
     """Byte offsets [R, C] of group ``groups`` [C] of rows ``rows`` [R] in one expert's blocks
     of K columns: rows ``stride_block_row`` apart (LB = 1), or in step-major bands of LB rows
-    (kernels/mxfp4_layout.py; contiguous)."""
+    padded to whole steps (kernels/mxfp4_layout.py; contiguous)."""
     if LB == 1:
         return rows[:, None] * stride_block_row + groups[None, :] * 16
-    num_groups = K // 32
-    full = num_groups // 4
-    r = rows[:, None] % LB
-    step = groups[None, :] // 4
-    main = step * (LB * 64) + r * 64
-    tail = full * (LB * 64) + r * (16 * (num_groups % 4))
-    band = (rows[:, None] // LB) * (LB * num_groups * 16)
-    return band + tl.where(step < full, main, tail) + (groups[None, :] % 4) * 16
+    band = (rows[:, None] // LB) * (LB * 16 * (4 * tl.cdiv(K // 32, 4)))
+    main = (groups[None, :] // 4) * (LB * 64) + (rows[:, None] % LB) * 64
+    return band + main + (groups[None, :] % 4) * 16
 
 
 @triton.jit

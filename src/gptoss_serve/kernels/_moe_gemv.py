@@ -45,6 +45,10 @@ import triton
 import triton.language as tl
 
 from gptoss_serve.kernels._moe_common import _dot
+from gptoss_serve.kernels.mxfp4_layout import stored_groups
+
+# Groups a row holds in blocks (and scales) stored in bands of LB rows, as a constexpr.
+_stored_groups = triton.constexpr_function(stored_groups)
 
 BLOCK_K = tl.constexpr(128)  # columns per step: 4 lanes x one 32-element MXFP4 group
 # Activation orders (the TILE_ORDER constexpr of the kernels): thread order, or the tile's
@@ -86,16 +90,19 @@ def _tile_slots(BN: tl.constexpr):
 
 @triton.jit
 def _slot_blocks(expert_blocks, row, first_group, G: tl.constexpr, LB: tl.constexpr):
-    """Per slot, in one expert's [N, G, 16] blocks stored in step-major bands of LB rows
-    (kernels/mxfp4_layout.py; LB = 1: the checkpoint's rows): (pointer to group
-    ``first_group`` (a multiple of 4 plus the lane t) of ``row``, the slot's step at which the
-    band's partial last step begins, and what to subtract from the pointer there). The
-    pointer advances LB·64 bytes a step (``_mxfp4_gemv``'s STEP_BYTES)."""
-    step = first_group // 4
-    r = row % LB
-    band = (row // LB) * (LB * G * 16)
-    ptr = expert_blocks + band + r * 64 + step * (LB * 64) + 16 * (first_group % 4)
-    return ptr, G // 4 - step, r * (64 - 16 * (G % 4))
+    """Per slot, in one expert's [N, G, 16] blocks stored in step-major bands of LB rows padded
+    to whole steps (kernels/mxfp4_layout.py; LB = 1: the checkpoint's rows): the pointer to
+    group ``first_group`` (a multiple of 4 plus the lane t) of ``row``. It advances LB·64 bytes
+    a step (``_mxfp4_gemv``'s STEP_BYTES)."""
+    GS: tl.constexpr = _stored_groups(G, LB)
+    band = (row // LB) * (LB * GS * 16)
+    return (
+        expert_blocks
+        + band
+        + (row % LB) * 64
+        + (first_group // 4) * (LB * 64)
+        + 16 * (first_group % 4)
+    )
 
 
 @triton.jit
@@ -242,21 +249,17 @@ def _gemv_step(
     acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
-    STEP_BYTES: tl.constexpr = 64, acc2=None, col_ptrs2=None, tail_step=None, tail_fix=None,
-    col_groups2=None,
+    STEP_BYTES: tl.constexpr = 64, acc2=None, col_ptrs2=None, col_groups2=None,
 ):  # fmt: skip
     """One 128-column step; returns (acc, the next step's scales, acc2). STEP_BYTES: distance
-    of a row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows);
-    ``tail_step`` / ``tail_fix`` (step-major bands, ``_slot_blocks``): at that step of each
-    slot the pointer moves back by ``tail_fix`` bytes.
+    of a row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows; LB·64
+    in bands of LB, ``_slot_blocks``).
     SCALE_WORDS: ``scale_rows`` are the scales' aligned 32-bit words and ``scale_shift`` the
     byte's bit offset in them (``_scale_words``), and this step's scale is read here, by a
     plain load the loop's pipeline issues stages ahead. ``col_ptrs2`` (tile order only): a
     second set of columns (``col_groups2`` as ``col_groups``), multiplied by the same decoded
     tile into ``acc2``."""
     byte_ptrs = block_rows + step * STEP_BYTES
-    if tail_fix is not None:
-        byte_ptrs -= tl.where(step == tail_step, tail_fix, 0)
     word_ptrs = byte_ptrs.to(tl.pointer_type(tl.int32))
     word_ptrs = word_ptrs[:, None] + tl.arange(0, 4)[None, :]
     if MASK_K:
@@ -292,8 +295,7 @@ def _mxfp4_gemv(
     BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
-    STEP_BYTES: tl.constexpr = 64, col_ptrs2=None, tail_step=None, tail_fix=None,
-    col_groups2=None,
+    STEP_BYTES: tl.constexpr = 64, col_ptrs2=None, col_groups2=None,
 ):  # fmt: skip
     """(acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns, acc2):
     with ``col_ptrs2`` [NC2] (tile order), acc2 [BN, NC2] is the same for those columns from
@@ -313,8 +315,7 @@ def _mxfp4_gemv(
     see ``_gemv_step``; the default reads each step's scales one step ahead by ld.global.nc,
     which is right for the bandwidth-bound decode (v4b), while wgmma's compute-bound tiles
     lose ~20% waiting on it behind their cp.async stream (bench/RESULTS.md v7b).
-    ``tail_step`` / ``tail_fix``: see ``_gemv_step`` (blocks in step-major bands; with them
-    STEP_BYTES is the band's LB·64)."""
+    STEP_BYTES: see ``_gemv_step``."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
     if col_ptrs2 is None:
@@ -328,14 +329,15 @@ def _mxfp4_gemv(
             last = tl.minimum(row_groups, 4 * STEPS) - 1 - t  # this part's last scale, from here
             _prefetch_line(scale_rows + tl.maximum(last, 0), last > 0)
         scale = _load_scale(scale_rows, t < row_groups, PTX)
-    # One pipelined loop, masked when some step is partial (K = 2880 is 22.5 steps): a partial
-    # step peeled off the loop would wait for its loads from HBM with nothing in flight.
+    # One pipelined loop, masked when some step is partial (K = 2880 is 22.5 steps; in the
+    # padded bands with tile-order activations none is): a partial step peeled off the loop
+    # would wait for its loads from HBM with nothing in flight.
     for step0 in tl.range(0, STEPS, UNROLL, num_stages=NUM_STAGES):
         for j in tl.static_range(UNROLL):
             acc, scale, acc2 = _gemv_step(
                 acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
                 col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS,
-                scale_shift, STEP_BYTES, acc2, col_ptrs2, tail_step, tail_fix, col_groups2,
+                scale_shift, STEP_BYTES, acc2, col_ptrs2, col_groups2,
             )  # fmt: skip
     return acc, acc2
 

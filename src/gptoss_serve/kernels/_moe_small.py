@@ -500,12 +500,15 @@ def launch_columns(
     _check_rows("h", h, inter, tiles.tile_order)
     order = dict(TILE_ORDER=tiles.order, H_STRIDE=h.stride(0), SCALE_WORDS=tiles.scale_words,
                  LB=weights.step_rows)  # fmt: skip
+    # Blocks and scales padded to whole steps (bands) and activations in a tile order (zero
+    # past K): every step is whole, the loop unmasked (bench/RESULTS.md v15).
+    whole = weights.step_rows > 1 and tiles.tile_order
     rows = tiles.gate_up_rows
     columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
         weights.gate_up_bias, h, alpha, limit, H=hidden, N=2 * inter, TOP_K=top_k, BN=rows,
         COLS=cols,
-        **_full_steps(hidden), NUM_STAGES=tiles.gate_up_stages,
+        **_full_steps(hidden, whole=whole), NUM_STAGES=tiles.gate_up_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=pdl,
         X_STRIDE=x_thread.stride(0), EXTRA=tiles.next_group_columns, **order,
@@ -515,7 +518,7 @@ def launch_columns(
     columns._columns_down_kernel[(triton.cdiv(hidden, rows), g_max)](
         h, group_expert, group_pairs, gates, weights.down_blocks, weights.down_scales,
         weights.down_bias, y, y.stride(0), N=hidden, K=inter, TOP_K=top_k, BN=rows, COLS=cols,
-        **_full_steps(inter), NUM_STAGES=tiles.down_stages,
+        **_full_steps(inter, whole=whole), NUM_STAGES=tiles.down_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
         EXTRA=tiles.next_group_columns, **order,
@@ -624,10 +627,11 @@ def _check_rows(name: str, buffer: torch.Tensor, k: int, tile_order: bool) -> No
                          f"128-steps), got {tuple(buffer.shape)}")  # fmt: skip
 
 
-def _full_steps(k: int) -> dict[str, int]:
-    """STEPS / FULL_STEPS of an unsplit, not unrolled K."""
+def _full_steps(k: int, *, whole: bool = False) -> dict[str, int]:
+    """STEPS / FULL_STEPS of an unsplit, not unrolled K; ``whole``: weights and activations are
+    padded with zeros to whole steps, so every step counts as full (no masks)."""
     plan = split_plan(k, 1)
-    return {"STEPS": plan["STEPS"], "FULL_STEPS": plan["FULL_STEPS"]}
+    return {"STEPS": plan["STEPS"], "FULL_STEPS": plan["STEPS"] if whole else plan["FULL_STEPS"]}
 
 
 def split_plan(k: int, split: int, unroll: int = 1) -> dict[str, int]:

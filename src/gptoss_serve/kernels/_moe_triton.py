@@ -339,7 +339,8 @@ def dequantize_mxfp4_triton(
 ) -> torch.Tensor:
     """Debug: the GEMMs' in-register decode of [N, K/32, 16] blocks written out, bf16 [N, K].
     ``ptx`` picks the inline-PTX decode (ignored under the interpreter, which cannot run it);
-    ``step_rows``: the blocks' layout (kernels/mxfp4_layout.py)."""
+    ``step_rows``: the blocks' layout (kernels/mxfp4_layout.py), whose padding to whole steps
+    comes out as zero columns past the matrix's K."""
     num_rows, num_groups = scales.shape
     out = torch.empty(num_rows, num_groups * 32, dtype=torch.bfloat16, device=blocks.device)
     block_n, block_k = 16, 64

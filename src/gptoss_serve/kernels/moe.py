@@ -36,7 +36,14 @@ import torch
 
 from gptoss_serve.kernels.launch import pdl_applies
 from gptoss_serve.kernels.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
-from gptoss_serve.kernels.mxfp4_layout import STEP_ROWS, from_step_rows, to_step_rows
+from gptoss_serve.kernels.mxfp4_layout import (
+    STEP_ROWS,
+    from_step_rows,
+    scales_from_step_rows,
+    scales_to_step_rows,
+    stored_groups,
+    to_step_rows,
+)
 
 # An expert's dense weights: (gate_up [2I, H], down [H, I]) in the compute dtype.
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -56,7 +63,9 @@ class MoeWeights:
     E experts, H hidden, I intermediate: router_weight [E, H] bf16, router_bias [E] bf16;
     gate_up_blocks [E, 2I, H/32, 16] uint8, gate_up_scales [E, 2I, H/32] uint8 and
     gate_up_bias [E, 2I] bf16, rows interleaved (2j gate j, 2j+1 up j); down_blocks
-    [E, H, I/32, 16] uint8, down_scales [E, H, I/32] uint8, down_bias [E, H] bf16.
+    [E, H, I/32, 16] uint8, down_scales [E, H, I/32] uint8, down_bias [E, H] bf16. In the
+    kernels' layout (``step_rows`` > 1) the blocks' and scales' groups are padded to whole
+    128-column steps (H/32 -> 4·ceil(H/128)): mxfp4_layout.py.
     """
 
     router_weight: torch.Tensor
@@ -71,7 +80,8 @@ class MoeWeights:
     # program re-arms it). One per layer, so layers never share it; None: made per call.
     router_counter: torch.Tensor | None = None
     # The layout of both blocks tensors (mxfp4_layout.py): rows in step-major bands of this
-    # many; 1 is the checkpoint's own layout. ``checkpoint_blocks`` undoes it.
+    # many, blocks and scales padded to whole steps; 1 is the checkpoint's own layout.
+    # ``checkpoint_matrices`` undoes it.
     step_rows: int = 1
 
     @classmethod
@@ -110,13 +120,14 @@ class MoeWeights:
         return weights
 
     def with_step_rows(self, rows: int) -> MoeWeights:
-        """These weights with both blocks tensors in step-major bands of ``rows``
-        (mxfp4_layout.py; same size: the old tensors can go). Scales and the rest stay."""
-        gate_up = from_step_rows(self.gate_up_blocks, self.step_rows)
-        down = from_step_rows(self.down_blocks, self.step_rows)
+        """These weights with both blocks tensors in step-major bands of ``rows``, and with the
+        scales, padded to whole steps (mxfp4_layout.py; the old tensors can go). The rest stay."""
+        gate_up, gate_up_scales, down, down_scales = self.checkpoint_matrices()
         return dataclasses.replace(
-            self, gate_up_blocks=to_step_rows(gate_up, rows), down_blocks=to_step_rows(down, rows),
-            step_rows=rows,
+            self, gate_up_blocks=to_step_rows(gate_up, rows),
+            gate_up_scales=scales_to_step_rows(gate_up_scales, rows),
+            down_blocks=to_step_rows(down, rows),
+            down_scales=scales_to_step_rows(down_scales, rows), step_rows=rows,
         )  # fmt: skip
 
     def for_kernels(self) -> MoeWeights:
@@ -131,12 +142,18 @@ class MoeWeights:
             return self
         return self.with_step_rows(rows)
 
-    def checkpoint_blocks(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H/32, 16], down [H, I/32, 16]) blocks of ``expert`` in the checkpoint's
-        layout, whatever ``step_rows`` is."""
+    def checkpoint_matrices(
+        self, expert: int | slice = slice(None)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate_up blocks [.., 2I, H/32, 16], gate_up scales [.., 2I, H/32], down blocks
+        [.., H, I/32, 16], down scales [.., H, I/32]) of ``expert`` (all: the leading [E]) in the
+        checkpoint's layout, whatever ``step_rows`` is."""
+        h_groups, i_groups = self.hidden_size // BLOCK_SIZE, self.intermediate_size // BLOCK_SIZE
         return (
-            from_step_rows(self.gate_up_blocks[expert], self.step_rows),
-            from_step_rows(self.down_blocks[expert], self.step_rows),
+            from_step_rows(self.gate_up_blocks[expert], self.step_rows, h_groups),
+            scales_from_step_rows(self.gate_up_scales[expert], h_groups),
+            from_step_rows(self.down_blocks[expert], self.step_rows, i_groups),
+            scales_from_step_rows(self.down_scales[expert], i_groups),
         )
 
     @property
@@ -149,21 +166,24 @@ class MoeWeights:
 
     @property
     def intermediate_size(self) -> int:
-        return self.down_blocks.shape[2] * BLOCK_SIZE
+        return self.gate_up_blocks.shape[1] // 2  # rows: never padded
 
     def check(self) -> None:
         """Raise ValueError/TypeError naming the first tensor whose shape or dtype is off."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         if h % BLOCK_SIZE or i % BLOCK_SIZE:
             raise ValueError(f"hidden {h} and intermediate {i} must be multiples of 32")
+        if self.step_rows < 1 or (2 * i) % self.step_rows or h % self.step_rows:
+            raise ValueError(f"step_rows {self.step_rows} must divide {2 * i} and {h} rows")
+        hg, ig = (stored_groups(k // 32, self.step_rows) for k in (h, i))  # padded in bands
         expected = {
             "router_weight": ((e, h), torch.bfloat16),
             "router_bias": ((e,), torch.bfloat16),
-            "gate_up_blocks": ((e, 2 * i, h // 32, 16), torch.uint8),
-            "gate_up_scales": ((e, 2 * i, h // 32), torch.uint8),
+            "gate_up_blocks": ((e, 2 * i, hg, 16), torch.uint8),
+            "gate_up_scales": ((e, 2 * i, hg), torch.uint8),
             "gate_up_bias": ((e, 2 * i), torch.bfloat16),
-            "down_blocks": ((e, h, i // 32, 16), torch.uint8),
-            "down_scales": ((e, h, i // 32), torch.uint8),
+            "down_blocks": ((e, h, ig, 16), torch.uint8),
+            "down_scales": ((e, h, ig), torch.uint8),
             "down_bias": ((e, h), torch.bfloat16),
         }
         for name, (shape, dtype) in expected.items():
@@ -172,8 +192,6 @@ class MoeWeights:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(tensor.shape)}")
             if tensor.dtype != dtype:
                 raise TypeError(f"{name}: expected {dtype}, got {tensor.dtype}")
-        if self.step_rows < 1 or (2 * i) % self.step_rows or h % self.step_rows:
-            raise ValueError(f"step_rows {self.step_rows} must divide {2 * i} and {h} rows")
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's blocks + scales + biases (what the kernels read per expert)."""
@@ -289,10 +307,10 @@ def mxfp4_moe_experts_reference(
     """The expert half with the routing given ([T, k] each), in fp32; output in x's dtype."""
 
     def dequantized(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up, down = weights.checkpoint_blocks(expert)
+        gate_up, gate_up_scales, down, down_scales = weights.checkpoint_matrices(expert)
         return (
-            dequantize_mxfp4(gate_up, weights.gate_up_scales[expert], f32),
-            dequantize_mxfp4(down, weights.down_scales[expert], f32),
+            dequantize_mxfp4(gate_up, gate_up_scales, f32),
+            dequantize_mxfp4(down, down_scales, f32),
         )
 
     f32 = torch.float32
