@@ -257,6 +257,12 @@ MALFORMED: list[Any] = [
     pytest.param(with_base(input=[]), 400, "input", None, id="input-empty-list"),
     pytest.param(with_base(stream=True, temperature="hot"), 400, "temperature", None,
                  id="stream-invalid"),
+    pytest.param(with_base(stream=True, stream_options={"include_obfuscation": "no"}), 400,
+                 "stream_options.include_obfuscation", None, id="stream-options-not-bool"),
+    pytest.param(with_base(stream=True, stream_options={"include_usage": True}), 400,
+                 "stream_options.include_usage", None, id="stream-options-unknown"),
+    pytest.param(with_base(stream=True, stream_options=["include_obfuscation"]), 400,
+                 "stream_options", None, id="stream-options-list"),
 ]
 # fmt: on
 

@@ -189,6 +189,12 @@ class ReasoningConfig(_Strict):
 # -- the request ------------------------------------------------------------------------------
 
 
+class StreamOptions(_Strict):
+    # Accepted and ignored: this server adds no `obfuscation` padding to its delta events (the
+    # official API pads payload sizes against side channels on its network).
+    include_obfuscation: bool | None = None
+
+
 class CreateResponseRequest(_Strict):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
@@ -214,7 +220,7 @@ class CreateResponseRequest(_Strict):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     # Extension (not in the official API): most tokens of analysis text before the answer must
     # begin; 0 means no reasoning. Without it, the server's budget for the reasoning effort
     # (capped at half of the output tokens) applies. Send it with the SDK's `extra_body`.
