@@ -261,6 +261,20 @@ MALFORMED: list[Any] = [
                  "stream_options.include_obfuscation", None, id="stream-options-not-bool"),
     pytest.param(with_base(stream=True, stream_options={"include_usage": True}), 400,
                  "stream_options.include_usage", None, id="stream-options-unknown"),
+    pytest.param(
+        with_base(tools=[{**WEATHER_TOOL, "parameters": {"type": "bogus"}}]), 400,
+        "tools[0].parameters", "invalid_json_schema", id="tool-parameters-not-json-schema",
+    ),
+    pytest.param(
+        with_base(tools=[{**WEATHER_TOOL, "strict": True,
+                          "parameters": {"type": "object", "required": "city"}}]), 400,
+        "tools[0].parameters", "invalid_json_schema", id="strict-tool-parameters-not-json-schema",
+    ),
+    pytest.param(
+        with_base(text={"format": {"type": "json_schema", "name": "answer",
+                                   "schema": {"type": "object", "properties": []}}}), 400,
+        "text.format.schema", "invalid_json_schema", id="json-schema-not-json-schema",
+    ),
     pytest.param(with_base(stream=True, stream_options=["include_obfuscation"]), 400,
                  "stream_options", None, id="stream-options-list"),
 ]

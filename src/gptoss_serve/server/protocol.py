@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from jsonschema import Draft202012Validator, SchemaError
+from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):
@@ -126,12 +129,29 @@ InputItem = Annotated[
 # -- tools, tool choice, text format ----------------------------------------------------------
 
 
+def _check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A schema must be valid JSON Schema (its dialect's metaschema; 2020-12 where it names
+    none), as the official API checks even where it does not enforce the schema."""
+    if schema is None:
+        return schema
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as error:  # the code constraints.py gives schemas it cannot compile
+        raise PydanticCustomError(
+            "invalid_json_schema", "not valid JSON Schema at {path}: {problem}",
+            {"path": error.json_path, "problem": error.message},
+        ) from error  # fmt: skip
+    return schema
+
+
 class FunctionToolParam(_Strict):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    _check_parameters = field_validator("parameters")(_check_json_schema)
 
 
 class ToolChoiceFunction(_Strict):
@@ -168,6 +188,7 @@ class TextFormatJsonSchema(_Strict):
     strict: bool | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    _check_schema = field_validator("schema_")(_check_json_schema)
 
 
 class TextFormatJsonObject(_Strict):
