@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from factories import decode_step
 
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
+from gptoss_serve.engine.cuda_graphs import graph_batch_sizes
 from gptoss_serve.engine.forward import forward
 from gptoss_serve.engine.input_batch import InputBatch
 from gptoss_serve.engine.kv_cache import allocate_kv_cache
@@ -49,3 +51,15 @@ def test_a_padded_step_gives_its_real_rows_the_unpadded_logits() -> None:
     plain = run(None)
     assert [(rows, count) for rows, count, _ in calls] == [(3, 3)] * config.num_hidden_layers
     torch.testing.assert_close(padded[:3], plain, rtol=1e-5, atol=1e-5)
+
+
+def test_only_graph_sizes_whose_moe_reads_the_count_are_padded() -> None:
+    """The MoE's per-pair GEMVs (1-4 tokens) do not read valid_rows (kernels/moe.py): every
+    decode batch that a graph pads lands on a size whose MoE tiles group the pairs."""
+    pytest.importorskip("triton")
+    from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
+
+    sizes = graph_batch_sizes(1024)
+    for num_decodes in range(1, 1025):
+        size = next(s for s in sizes if s >= num_decodes)
+        assert size == num_decodes or decode_tiles_for(size).group_columns, size

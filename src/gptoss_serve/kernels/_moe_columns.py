@@ -14,9 +14,10 @@ pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
    ``group_pairs`` [G_MAX, COLS] (-1 in unused columns). G_MAX bounds the groups of any
    routing, so the grid is fixed (CUDA graphs); programs of unused groups return at once. No
    atomics: deterministic. The pairs of padding tokens (from ``valid_rows[0]`` on, a count
-   read on the device) join no group, so the GEMVs below never see them. Past SORT_MAX_PAIRS pairs (prefill) one program is too slow, and
-   the grouped GEMMs' multi-program grouping writes a block table that
-   ``_table_groups_kernel`` turns into the same two arrays.
+   read on the device) join no group, so the GEMVs below never see them. Past
+   SORT_MAX_PAIRS pairs (prefill) one program is too slow, and the grouped GEMMs'
+   multi-program grouping writes a block table that ``_table_groups_kernel`` turns into the
+   same two arrays.
 2. ``_columns_gate_up_kernel``: h[pair] (thread order, bf16) for the BN rows of the group's
    expert, bias and clamped SwiGLU in the epilogue, one column per pair.
 3. ``_columns_down_kernel``: y[pair] fp32 = w_pair · (h_pair @ Wd[expert]^T + bd) for BN rows;
