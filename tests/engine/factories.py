@@ -10,7 +10,11 @@ from gptoss_serve.engine.block_pool import BLOCK_SIZE
 from gptoss_serve.engine.kv_manager import NO_BLOCK, SLIDING_GROUP, KvCacheManager
 from gptoss_serve.engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from gptoss_serve.engine.scheduler import Scheduler
-from gptoss_serve.engine.scheduler_output import RequestOutput, SchedulerOutput
+from gptoss_serve.engine.scheduler_output import (
+    RequestOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 STOP = 0  # the fake model's stop token
 
@@ -238,3 +242,24 @@ def check_invariants(scheduler: Scheduler, in_flight: SchedulerOutput | None = N
     assert set(scheduler.requests) == {
         r.request_id for r in [*scheduler.running, *scheduler.waiting]
     }
+
+
+def decode_step(step: int, contexts: list[int]) -> SchedulerOutput:
+    """An all-decode step (the input batch tests): one decode per context length; request i
+    owns blocks 100·i + j of both groups."""
+    scheduled = tuple(
+        ScheduledRequest(
+            request_id=f"r{i}",
+            token_ids=(7 * step + i,),
+            num_computed_tokens=context,
+            block_ids=(tuple(range(100 * i, 100 * i + context // BLOCK_SIZE + 1)),) * 2,
+            new_block_ids=((), ()),
+            is_new=False,
+            is_sampled=True,
+        )
+        for i, context in enumerate(contexts)
+    )
+    return SchedulerOutput(
+        step=step, scheduled=scheduled, num_decodes=len(scheduled), preempted_request_ids=(),
+        finished_request_ids=(),
+    )  # fmt: skip

@@ -3,33 +3,16 @@ its device views are made once and reused."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from factories import decode_step
 
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
 from gptoss_serve.engine.input_batch import InputBatch
-from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from gptoss_serve.engine.scheduler_output import ScheduledRequest
 
 MAX_MODEL_LEN = 1024
-
-
-def _decode_step(step: int, contexts: list[int]) -> SchedulerOutput:
-    """One decode per context length; request i owns blocks 100·i + j of both groups."""
-    scheduled = tuple(
-        ScheduledRequest(
-            request_id=f"r{i}",
-            token_ids=(7 * step + i,),
-            num_computed_tokens=context,
-            block_ids=(tuple(range(100 * i, 100 * i + context // BLOCK_SIZE + 1)),) * 2,
-            new_block_ids=((), ()),
-            is_new=False,
-            is_sampled=True,
-        )
-        for i, context in enumerate(contexts)
-    )
-    return SchedulerOutput(
-        step=step, scheduled=scheduled, num_decodes=len(scheduled), preempted_request_ids=(),
-        finished_request_ids=(),
-    )  # fmt: skip
 
 
 def _batch() -> InputBatch:
@@ -41,8 +24,8 @@ def _batch() -> InputBatch:
 
 def test_a_padded_step_reuses_its_views_and_writes_its_values() -> None:
     batch = _batch()
-    first = batch.prepare(_decode_step(1, [40, 70, 5]), decode_rows=4)
-    second = batch.prepare(_decode_step(2, [41, 71, 6]), decode_rows=4)
+    first = batch.prepare(decode_step(1, [40, 70, 5]), decode_rows=4)
+    second = batch.prepare(decode_step(2, [41, 71, 6]), decode_rows=4)
     assert second.metadata is first.metadata and second.input_ids is first.input_ids
     assert second.sampled_request_ids == ("r0", "r1", "r2")
     meta = second.metadata
@@ -63,7 +46,7 @@ def test_a_padded_step_reuses_its_views_and_writes_its_values() -> None:
 
 
 def test_padded_and_unpadded_steps_agree_on_the_real_rows() -> None:
-    step = _decode_step(3, [33, 17])
+    step = decode_step(3, [33, 17])
     padded = _batch().prepare(step, decode_rows=2).metadata
     plain = _batch().prepare(step).metadata
     assert torch.equal(padded.positions, plain.positions)
@@ -73,3 +56,30 @@ def test_padded_and_unpadded_steps_agree_on_the_real_rows() -> None:
         width = plain.decode_block_tables[group].shape[1]
         assert torch.equal(padded.decode_block_tables[group][:, :width],
                            plain.decode_block_tables[group])  # fmt: skip
+
+
+def test_a_step_counts_its_real_rows_in_the_lengths_upload() -> None:
+    """valid_rows (int32 [1] on the device) holds a padded step's real decode rows, an
+    unpadded step's rows, each step's own (one persistent tensor, which a graph reads at
+    every replay); it lives in the lengths' buffer, so the step's one copy of the lengths
+    uploads it."""
+    batch = _batch()
+    padded = batch.prepare(decode_step(1, [40, 70, 5]), decode_rows=8)
+    assert padded.valid_rows.dtype == torch.int32 and padded.valid_rows.tolist() == [3]
+    assert padded.input_ids.shape == (8,)
+    assert batch.prepare(decode_step(2, [41, 71, 6, 9, 30]), decode_rows=8).valid_rows is (
+        padded.valid_rows
+    )
+    assert padded.valid_rows.tolist() == [5]
+    decodes = decode_step(3, [42, 72])
+    prefill = ScheduledRequest(
+        request_id="p", token_ids=tuple(range(20)), num_computed_tokens=0,
+        block_ids=((500, 501),) * 2, new_block_ids=((500, 501),) * 2, is_new=True,
+        is_sampled=True,
+    )  # fmt: skip
+    mixed = dataclasses.replace(decodes, scheduled=(*decodes.scheduled, prefill))
+    assert batch.prepare(mixed).valid_rows.tolist() == [22]  # not padded: every row
+    capture = batch.prepare(decode_step(4, []), decode_rows=4)  # a graph's capture: padding
+    assert capture.valid_rows.tolist() == [0]
+    lengths = padded.metadata.decode_seq_lens
+    assert padded.valid_rows.untyped_storage().data_ptr() == lengths.untyped_storage().data_ptr()

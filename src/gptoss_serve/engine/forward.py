@@ -1,7 +1,8 @@
 """The batched forward pass of gpt-oss over the paged KV cache, composed from kernels/ ops.
 
-A pure function of the weights, the caches, one step's token ids and its AttentionMetadata;
-it holds no state, so the runner can call it eagerly or inside a CUDA-graph capture.
+A pure function of the weights, the caches, one step's token ids, its AttentionMetadata and
+its count of valid rows; it holds no state, so the runner can call it eagerly or inside a
+CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ def forward(
     metadata: AttentionMetadata,
     *,
     logits_indices: torch.Tensor | None = None,
+    valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """input_ids [T] -> float32 logits [S, V] of the rows ``logits_indices`` (all if None).
 
-    Writes this step's K/V into ``kv`` at ``metadata.slot_mapping``.
+    Writes this step's K/V into ``kv`` at ``metadata.slot_mapping``. ``valid_rows`` (int32 [1]
+    on the device; None: all T): the rows from ``valid_rows[0]`` on are a padded decode step's
+    padding, which the MoE leaves out (no expert weights read for them; their MoE output is
+    zero, and their logits are never sampled).
     """
     config = weights.config
     eps = config.rms_norm_eps
@@ -41,6 +46,7 @@ def forward(
             top_k=config.num_experts_per_tok,
             alpha=config.swiglu_alpha,
             limit=config.swiglu_limit,
+            valid_rows=valid_rows,
         )
     if logits_indices is not None:
         x, residual = x[logits_indices], residual[logits_indices]

@@ -2,7 +2,8 @@
 tables, filled on the host (pinned numpy views) and copied to the device in a few transfers.
 
 The device buffers never move, so a CUDA graph captured over their leading rows reads each
-step's values; padded decode rows get length 0 and slot -1 (the kernels skip them).
+step's values; padded decode rows get length 0 and slot -1 (the kernels skip them), and the
+step's count of real rows (``StepInputs.valid_rows``) tells the MoE to leave them out.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: the rows whose next token is sampled
     sampled_request_ids: tuple[str, ...]  # the request of each logits row
+    # [1] int32 on the device: rows [0, valid_rows[0]) are the step's own, the rest padding
+    # (a graph-sized decode step); the MoE reads it on the device (kernels/moe.py).
+    valid_rows: torch.Tensor
 
 
 class _Buffer:
@@ -86,9 +90,11 @@ class InputBatch:
         self.rows = _Fields(("input_ids", "positions", *self.slot_names, "logits_indices"),
                             self.max_rows, torch.int64, device)  # fmt: skip
         seqs = max_num_seqs
-        # Per sequence: lengths, and the prefill chunks' row offsets (seqs + 1 of them).
-        self.lens = _Fields(("decode_seq_lens", "prefill_seq_lens", "query_start_loc"),
-                            seqs + 1, torch.int32, device)  # fmt: skip
+        # Per sequence: lengths, and the prefill chunks' row offsets (seqs + 1 of them); and
+        # in element 0 of "valid_rows" the step's number of real rows (in the same copy).
+        self.lens = _Fields(("decode_seq_lens", "prefill_seq_lens", "query_start_loc",
+                             "valid_rows"), seqs + 1, torch.int32, device)  # fmt: skip
+        self.valid_rows = self.lens.view("valid_rows", 1)  # one device view for every step
         self.decode_tables = [
             _Buffer((seqs, self.table_width), torch.int32, device) for _ in range(num_groups)
         ]
@@ -119,6 +125,7 @@ class InputBatch:
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._fill_rows(output, total_rows)
+        self.lens.np["valid_rows"][0] = num_tokens  # not the padding (one token per decode)
         sampled = [i for i, s in enumerate(scheduled) if s.is_sampled]
         row_ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         self.rows.np["logits_indices"][: len(sampled)] = row_ends[sampled] if sampled else []
@@ -138,6 +145,7 @@ class InputBatch:
             metadata=metadata,
             logits_indices=logits_indices,
             sampled_request_ids=tuple(scheduled[i].request_id for i in sampled),
+            valid_rows=self.valid_rows,
         )
         if self._uploaded is not None:
             self._uploaded.record()

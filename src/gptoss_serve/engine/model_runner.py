@@ -113,7 +113,12 @@ class ModelRunner:
         return self.batch.prepare(empty, decode_rows=size)
 
     def _decode_step(self, inputs: StepInputs) -> torch.Tensor:
-        return forward(self.weights, self.kv, self.ops, inputs.input_ids, inputs.metadata)
+        """The captured step: the graph reads each replay's count of real rows from the
+        persistent ``valid_rows`` buffer, so the MoE skips that replay's padding rows."""
+        return forward(
+            self.weights, self.kv, self.ops, inputs.input_ids, inputs.metadata,
+            valid_rows=inputs.valid_rows,
+        )  # fmt: skip
 
     def forward(
         self, output: SchedulerOutput, previous: PreviousTokens | None = None
@@ -137,6 +142,7 @@ class ModelRunner:
                 inputs.input_ids,
                 inputs.metadata,
                 logits_indices=inputs.logits_indices,
+                valid_rows=inputs.valid_rows,
             )
         return logits, inputs
 

@@ -163,6 +163,7 @@ def profile_step_memory(weights: ModelWeights, scheduler: SchedulerConfig, ops: 
         inputs.input_ids,
         inputs.metadata,
         logits_indices=inputs.logits_indices,
+        valid_rows=inputs.valid_rows,
     )
     torch.cuda.synchronize(device)
     # The peak of the step itself, plus the logits of a full decode batch.

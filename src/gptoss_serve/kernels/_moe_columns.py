@@ -13,9 +13,11 @@ pairs (bench/RESULTS.md v5: the experiment that measured the idea first).
    groups of up to COLS: ``group_expert`` [G_MAX] (-1 past the last group) and
    ``group_pairs`` [G_MAX, COLS] (-1 in unused columns). G_MAX bounds the groups of any
    routing, so the grid is fixed (CUDA graphs); programs of unused groups return at once. No
-   atomics: deterministic. Past SORT_MAX_PAIRS pairs (prefill) one program is too slow, and
-   the grouped GEMMs' multi-program grouping writes a block table that
-   ``_table_groups_kernel`` turns into the same two arrays.
+   atomics: deterministic. The pairs of padding tokens (from ``valid_rows[0]`` on, a count
+   read on the device) join no group, so the GEMVs below never see them. Past
+   SORT_MAX_PAIRS pairs (prefill) one program is too slow, and the grouped GEMMs'
+   multi-program grouping writes a block table that ``_table_groups_kernel`` turns into the
+   same two arrays.
 2. ``_columns_gate_up_kernel``: h[pair] (thread order, bf16) for the BN rows of the group's
    expert, bias and clamped SwiGLU in the epilogue, one column per pair.
 3. ``_columns_down_kernel``: y[pair] fp32 = w_pair · (h_pair @ Wd[expert]^T + bd) for BN rows;
@@ -36,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gptoss_serve.kernels._moe_common import _to_bf16
+from gptoss_serve.kernels._moe_common import _num_valid, _to_bf16
 from gptoss_serve.kernels._moe_gemv import (
     _WGMMA,
     ACC_SCALE,
@@ -85,14 +87,17 @@ def _max(a, b):
 
 @triton.jit
 def _group_kernel(
-    expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_pairs,
+    expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_pairs, valid_rows_ptr,
     G_MAX: tl.constexpr, COLS: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    FILL: tl.constexpr, PDL: tl.constexpr,
+    FILL: tl.constexpr, PDL: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """One sort of the keys expert · P_PAD + pair (unique, so the order is stable: an expert's
     pairs in pair order), then scans: a pair's rank is its distance from its expert's first
     sorted position (a running max of the run starts), a group starts at every rank that is a
-    multiple of COLS, and a running count of those numbers the groups."""
+    multiple of COLS, and a running count of those numbers the groups. The pairs of tokens at
+    or past ``valid_rows[0]`` (None: none) are padding, left out like the sort's own."""
+    # The count is the host's upload (before the graph), not the previous kernel's output.
+    num_valid = _num_valid(valid_rows_ptr, num_pairs, TOP_K)
     if PDL:  # the routing comes from the previous kernel
         gdc_wait()
         gdc_launch_dependents()
@@ -102,7 +107,7 @@ def _group_kernel(
         tl.store(group_expert_ptr + fill, -1, mask=fill < G_MAX)
     tl.debug_barrier()  # the fill lands before the scatter below (same addresses)
     index = tl.arange(0, P_PAD)
-    experts = tl.load(expert_ids_ptr + index, mask=index < num_pairs, other=E_PAD)  # pad: last
+    experts = tl.load(expert_ids_ptr + index, mask=index < num_valid, other=E_PAD)  # pad: last
     keys = tl.sort(experts * P_PAD + index)
     experts = keys // P_PAD
     pairs = keys % P_PAD

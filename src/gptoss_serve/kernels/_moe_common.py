@@ -30,3 +30,16 @@ def _to_bf16(x, INTERPRET: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _num_valid(valid_rows_ptr, num_entries, PER_ROW: tl.constexpr = 1):
+    """How many of a call's ``num_entries`` leading entries (PER_ROW per row: 1 for tokens,
+    top-k for pairs) belong to valid rows: valid_rows[0] · PER_ROW, capped at num_entries; all
+    of them when ``valid_rows_ptr`` is None. Rows past the count are padding (a CUDA graph's
+    rows past the step's real ones): the MoE leaves their pairs out and zeroes their output.
+    The count is read here, on the device, so that a captured graph sees each replay's."""
+    count = num_entries
+    if valid_rows_ptr is not None:
+        count = tl.minimum(tl.load(valid_rows_ptr) * PER_ROW, num_entries)
+    return count

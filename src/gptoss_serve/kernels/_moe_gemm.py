@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gptoss_serve.kernels._moe_common import _dot, _to_bf16
+from gptoss_serve.kernels._moe_common import _dot, _num_valid, _to_bf16
 from gptoss_serve.kernels._moe_dequant import _dequant_tile
 
 
@@ -143,14 +143,16 @@ def _down_kernel(
 
 @triton.jit
 def _sum_pairs_kernel(
-    y_ptr, out_ptr, N, stride_y, stride_out,
+    y_ptr, out_ptr, N, stride_y, stride_out, valid_rows_ptr,
     TOP_K: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = Σ_slot y[t·TOP_K + slot] in slot order (deterministic), bf16 [T, H]."""
+    """out[t] = Σ_slot y[t·TOP_K + slot] in slot order (deterministic), bf16 [T, H]; zeros
+    for the tokens at or past ``valid_rows[0]`` (None: none), whose y rows are never written."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
+    live = mask & (token < _num_valid(valid_rows_ptr, tl.num_programs(0)))
     acc = tl.zeros([BLOCK], tl.float32)
     for slot in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + slot) * stride_y + cols, mask=mask, other=0.0)
+        acc += tl.load(y_ptr + (token * TOP_K + slot) * stride_y + cols, mask=live, other=0.0)
     tl.store(out_ptr + token * stride_out + cols, _to_bf16(acc, INTERPRET), mask=mask)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gptoss_serve.kernels._moe_common import _dot
+from gptoss_serve.kernels._moe_common import _dot, _num_valid
 
 
 @triton.jit
@@ -171,12 +171,13 @@ def _write_table_chunk(
 
 @triton.jit
 def _chunk_pairs(
-    logits_ptr, expert_ids_ptr, routing_weights_ptr, t0, num_tokens, num_experts,
+    logits_ptr, expert_ids_ptr, routing_weights_ptr, t0, num_tokens, num_experts, num_valid,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK_T: tl.constexpr,
     FROM_LOGITS: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
     """The pairs of tokens [t0, t0 + CHUNK_T) flattened: (expert ids, pair ids), [CHUNK_T·K_PAD];
-    invalid pairs get expert E_PAD, which matches no expert. From logits: top-k here (and the
+    invalid pairs, and those of padding tokens (``num_valid`` and on, whose routing is still
+    stored), get expert E_PAD, which matches no expert. From logits: top-k here (and the
     routing stored if STORE); else the expert ids are read."""
     tokens = t0 + tl.arange(0, CHUNK_T)
     slots = tl.arange(0, K_PAD)
@@ -195,7 +196,7 @@ def _chunk_pairs(
             tl.store(routing_weights_ptr + pairs, weights, mask=valid)
     else:
         ids = tl.load(expert_ids_ptr + pairs, mask=valid, other=0)
-    ids = tl.where(valid, ids, E_PAD)
+    ids = tl.where(valid & (tokens < num_valid)[:, None], ids, E_PAD)
     return tl.reshape(ids, [CHUNK_T * K_PAD]), tl.reshape(pairs, [CHUNK_T * K_PAD])
 
 
@@ -203,7 +204,7 @@ def _chunk_pairs(
 def _route_small_kernel(
     logits_ptr, expert_ids_ptr, routing_weights_ptr,
     sorted_pair_ids_ptr, block_table_ptr, num_blocks_ptr,
-    num_tokens, num_experts, max_blocks,
+    num_tokens, num_experts, max_blocks, valid_rows_ptr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK_T: tl.constexpr,
     BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr, FROM_LOGITS: tl.constexpr,
 ):  # fmt: skip
@@ -211,15 +212,17 @@ def _route_small_kernel(
 
     Pass 1 counts pairs per expert; pass 2 places each pair at its expert's start plus its
     rank among that expert's earlier pairs. Top-k is recomputed in pass 2 rather than read
-    back, so no intra-program barrier is needed.
+    back, so no intra-program barrier is needed. Tokens at or past ``valid_rows[0]`` (None:
+    none) are routed but not grouped.
     """
+    num_valid = _num_valid(valid_rows_ptr, num_tokens)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], tl.int32)
     t0 = tl.program_id(0) * 0
     while t0 < num_tokens:
         ids, _ = _chunk_pairs(
             logits_ptr, expert_ids_ptr, routing_weights_ptr, t0, num_tokens, num_experts,
-            TOP_K, K_PAD, E_PAD, CHUNK_T, FROM_LOGITS, True,
+            num_valid, TOP_K, K_PAD, E_PAD, CHUNK_T, FROM_LOGITS, True,
         )  # fmt: skip
         counts += tl.histogram(ids, E_PAD, mask=ids < E_PAD)
         t0 += CHUNK_T
@@ -232,7 +235,7 @@ def _route_small_kernel(
     while t0 < num_tokens:
         ids, pairs = _chunk_pairs(
             logits_ptr, expert_ids_ptr, routing_weights_ptr, t0, num_tokens, num_experts,
-            TOP_K, K_PAD, E_PAD, CHUNK_T, FROM_LOGITS, False,
+            num_valid, TOP_K, K_PAD, E_PAD, CHUNK_T, FROM_LOGITS, False,
         )  # fmt: skip
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK_T·K_PAD, E_PAD]
         rows = tl.sum(onehot * (tl.cumsum(onehot, 0) - 1 + cursor[None, :]), axis=1)
@@ -242,11 +245,16 @@ def _route_small_kernel(
 
 
 @triton.jit
-def _count_kernel(expert_ids_ptr, counts_ptr, num_pairs, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Prefill: counts[e] += pairs of this block routed to e (counts zeroed by the host)."""
+def _count_kernel(
+    expert_ids_ptr, counts_ptr, num_pairs, valid_rows_ptr,
+    E_PAD: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+):  # fmt: skip
+    """Prefill: counts[e] += pairs of this block routed to e (counts zeroed by the host); the
+    pairs of tokens at or past ``valid_rows[0]`` (None: none) are not counted."""
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ids = tl.load(expert_ids_ptr + pairs, mask=pairs < num_pairs, other=E_PAD)
-    local = tl.histogram(ids, E_PAD, mask=pairs < num_pairs)
+    mask = pairs < _num_valid(valid_rows_ptr, num_pairs, TOP_K)
+    ids = tl.load(expert_ids_ptr + pairs, mask=mask, other=E_PAD)
+    local = tl.histogram(ids, E_PAD, mask=mask)
     experts = tl.arange(0, E_PAD)
     tl.atomic_add(counts_ptr + experts, local, mask=local > 0, sem="relaxed")
 
@@ -271,10 +279,14 @@ def _block_table_kernel(
 
 
 @triton.jit
-def _scatter_kernel(expert_ids_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, BLOCK: tl.constexpr):
-    """Prefill: each pair takes the next free row of its expert's segment."""
+def _scatter_kernel(
+    expert_ids_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, valid_rows_ptr,
+    BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+):  # fmt: skip
+    """Prefill: each pair takes the next free row of its expert's segment (the pairs that
+    ``_count_kernel`` counted: not those of padding tokens)."""
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = pairs < num_pairs
+    mask = pairs < _num_valid(valid_rows_ptr, num_pairs, TOP_K)
     ids = tl.load(expert_ids_ptr + pairs, mask=mask, other=0)
     rows = tl.atomic_add(cursor_ptr + ids, 1, mask=mask, sem="relaxed")
     tl.store(sorted_ids_ptr + rows, pairs, mask=mask)

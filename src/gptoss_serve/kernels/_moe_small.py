@@ -281,12 +281,19 @@ def mxfp4_moe_decode(
     poison: bool = False,
     expert_ids: torch.Tensor | None = None,
     routing_weights: torch.Tensor | None = None,
+    valid_rows: torch.Tensor | None = None,
 ) -> DecodeResult:
     """x [T, H] bf16 -> the MoE output; with ``expert_ids``/``routing_weights`` [T, k] given,
     the router is skipped (tests feed a routing computed once in fp32).
 
     ``tiles`` overrides ``decode_tiles_for(T)``; ``out`` [T, H] receives the result;
-    ``poison`` fills the scratch buffers with NaN."""
+    ``poison`` fills the scratch buffers with NaN. ``valid_rows`` (int32 [1] on x's device,
+    read by the kernels; None: all rows): the rows from ``valid_rows[0]`` on are padding, their
+    pairs left out of the groups and their output rows zero. Only the grouped columns
+    (``tiles.group_columns``: from 5 tokens in the table) read it; the per-pair GEMVs (1-4
+    tokens) ignore it, so that the batch-1 kernels, bound by their latency, take no load
+    before their main loop for it: the engine's graphs are captured at every size up to 8,
+    so its padded steps have 9 rows or more (engine/cuda_graphs.py)."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the Triton MoE takes bf16 activations, got {x.dtype}")
     tiles = tiles or decode_tiles_for(x.shape[0])
@@ -322,7 +329,7 @@ def mxfp4_moe_decode(
     if tiles.group_columns:
         launch_columns(
             weights, x_thread, ids, gates, h=h, out=out, tiles=tiles, alpha=alpha, limit=limit,
-            poison=poison,
+            poison=poison, valid_rows=valid_rows,
         )  # fmt: skip
         return DecodeResult(out, ids, gates, logits)
     gemv_logits = None if routed_here else logits  # None: the GEMVs read ids/gates
@@ -482,19 +489,21 @@ def launch_columns(
     alpha: float = 1.702,
     limit: float = 7.0,
     poison: bool = False,
+    valid_rows: torch.Tensor | None = None,
 ) -> None:
     """out [T, H] from x_thread and the routing ``ids``/``gates`` [T, k], the pairs grouped by
     expert (_moe_columns.py): group, gate_up, down into per-pair rows, the sum over each
     token's pairs. Four launches, a fixed grid, no host sync. With ``tiles.tile_order``
     x_thread is x in tile order (``tile_order``) and ``h`` [T·k, 128·ceil(I / 128)] receives
-    h in it."""
+    h in it. ``valid_rows`` (int32 [1], None: all): the tokens from ``valid_rows[0]`` on are
+    left out of the groups (no expert work) and their rows of ``out`` are zeros."""
     num_tokens, hidden = out.shape
     top_k, inter = ids.shape[1], weights.intermediate_size
     num_pairs = num_tokens * top_k
     pdl = _pdl(tiles)
     device = x_thread.device
     cols = tiles.group_size
-    group_expert, group_pairs = group(ids, weights.num_experts, tiles)
+    group_expert, group_pairs = group(ids, weights.num_experts, tiles, valid_rows)
     g_max = group_expert.shape[0]
     _check_rows("x_thread", x_thread, hidden, tiles.tile_order)
     _check_rows("h", h, inter, tiles.tile_order)
@@ -523,26 +532,31 @@ def launch_columns(
         num_warps=tiles.down_warps, num_stages=tiles.down_stages, launch_pdl=pdl,
         EXTRA=tiles.next_group_columns, **order,
     )  # fmt: skip
-    sum_pairs(y, out, top_k)
+    sum_pairs(y, out, top_k, valid_rows)
 
 
 def group(
-    ids: torch.Tensor, num_experts: int, tiles: DecodeTiles
+    ids: torch.Tensor,
+    num_experts: int,
+    tiles: DecodeTiles,
+    valid_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing ``ids`` [T, k] (int32, contiguous) in groups of ``tiles.group_size`` pairs
-    of one expert: (group_expert [G_MAX], group_pairs [G_MAX, size]), -1 where unused."""
+    of one expert: (group_expert [G_MAX], group_pairs [G_MAX, size]), -1 where unused; the
+    pairs of tokens from ``valid_rows[0]`` on (int32 [1]; None: none) in no group."""
     num_pairs, cols = ids.numel(), tiles.group_size
     g_max = columns.max_groups(num_pairs, num_experts, cols)
     group_expert = torch.empty(g_max, dtype=torch.int32, device=ids.device)
     group_pairs = torch.empty(g_max, cols, dtype=torch.int32, device=ids.device)
     if num_pairs > columns.SORT_MAX_PAIRS:
-        _group_by_table(ids, num_experts, group_expert, group_pairs)
+        _group_by_table(ids, num_experts, group_expert, group_pairs, valid_rows)
         return group_expert, group_pairs
     pdl = _pdl(tiles)
     columns._group_kernel[(1,)](
-        ids, group_expert, group_pairs, num_pairs, G_MAX=g_max, COLS=cols,
+        ids, group_expert, group_pairs, num_pairs, valid_rows, G_MAX=g_max, COLS=cols,
         P_PAD=_pow2(num_pairs), E_PAD=_pow2(num_experts),
-        FILL=min(_GROUP_FILL, _pow2(g_max * cols)), PDL=pdl, num_warps=8, launch_pdl=pdl,
+        FILL=min(_GROUP_FILL, _pow2(g_max * cols)), PDL=pdl, TOP_K=ids.shape[1], num_warps=8,
+        launch_pdl=pdl,
     )  # fmt: skip
     return group_expert, group_pairs
 
@@ -555,30 +569,40 @@ def launch_block_table(
     sorted_pairs: torch.Tensor,
     block_table: torch.Tensor,
     num_blocks: torch.Tensor,
+    valid_rows: torch.Tensor | None = None,
 ) -> None:
     """The prefill grouping (_moe_routing.py): the pairs of ``ids`` [T, k] (int32,
     contiguous) sorted by expert into ``sorted_pairs`` [P] and cut into blocks of up to
     ``block_m`` rows, ``block_table`` [3, max_blocks] (expert, row start, segment end) and
-    ``num_blocks`` [1]. Count, table, scatter: three launches and a memset."""
-    num_pairs = ids.numel()
+    ``num_blocks`` [1]. Count, table, scatter: three launches and a memset. The pairs of
+    tokens from ``valid_rows[0]`` on (int32 [1]; None: none) are left out."""
+    num_pairs, top_k = ids.numel(), ids.shape[1]
     e_pad = max(16, _pow2(num_experts))
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     grid = (triton.cdiv(num_pairs, _PAIRS_BLOCK),)
-    routing._count_kernel[grid](ids, counts, num_pairs, E_PAD=e_pad, BLOCK=_PAIRS_BLOCK)
+    routing._count_kernel[grid](
+        ids, counts, num_pairs, valid_rows, E_PAD=e_pad, BLOCK=_PAIRS_BLOCK, TOP_K=top_k
+    )
     max_blocks = block_table.shape[1]
     routing._block_table_kernel[(triton.cdiv(max_blocks, _TABLE_CHUNK_PROGRAM),)](
         counts, cursor, block_table, num_blocks, num_experts, max_blocks,
         E_PAD=e_pad, BLOCK_M=block_m, CHUNK_B=_TABLE_CHUNK_PROGRAM,
     )  # fmt: skip
-    routing._scatter_kernel[grid](ids, cursor, sorted_pairs, num_pairs, BLOCK=_PAIRS_BLOCK)
+    routing._scatter_kernel[grid](
+        ids, cursor, sorted_pairs, num_pairs, valid_rows, BLOCK=_PAIRS_BLOCK, TOP_K=top_k
+    )
 
 
 def _group_by_table(
-    ids: torch.Tensor, num_experts: int, group_expert: torch.Tensor, group_pairs: torch.Tensor
+    ids: torch.Tensor,
+    num_experts: int,
+    group_expert: torch.Tensor,
+    group_pairs: torch.Tensor,
+    valid_rows: torch.Tensor | None,
 ) -> None:
-    """Many pairs: the prefill grouping in blocks of group_size pairs (``launch_block_table``),
-    then the table as groups."""
+    """Many pairs: the prefill grouping in blocks of group_size pairs (``launch_block_table``,
+    without the pairs of padding tokens), then the table as groups."""
     g_max, cols = group_pairs.shape
     device = ids.device
     sorted_pairs = torch.empty(ids.numel(), dtype=torch.int32, device=device)
@@ -586,7 +610,7 @@ def _group_by_table(
     num_blocks = torch.empty(1, dtype=torch.int32, device=device)
     launch_block_table(
         ids, num_experts, cols, sorted_pairs=sorted_pairs, block_table=block_table,
-        num_blocks=num_blocks,
+        num_blocks=num_blocks, valid_rows=valid_rows,
     )  # fmt: skip
     columns._table_groups_kernel[(triton.cdiv(g_max, _TABLE_GROUPS),)](
         sorted_pairs, block_table, num_blocks, group_expert, group_pairs, G_MAX=g_max,
@@ -605,11 +629,14 @@ _TABLE_GROUPS = 16  # groups per program of _table_groups_kernel
 _GROUP_FILL = 4096  # table entries cleared per step
 
 
-def sum_pairs(y: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
-    """out [T, H] (bf16) = Σ_slot y[t·k + slot] (y [T·k, H] fp32), in slot order."""
+def sum_pairs(
+    y: torch.Tensor, out: torch.Tensor, top_k: int, valid_rows: torch.Tensor | None = None
+) -> None:
+    """out [T, H] (bf16) = Σ_slot y[t·k + slot] (y [T·k, H] fp32), in slot order; zero rows
+    from ``valid_rows[0]`` on (int32 [1]; None: none), whose y rows are not read."""
     num_tokens, hidden = out.shape
     gemm._sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](
-        y, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=_SUM_BLOCK,
+        y, out, hidden, y.stride(0), out.stride(0), valid_rows, TOP_K=top_k, BLOCK=_SUM_BLOCK,
         INTERPRET=_interpreting(),
     )  # fmt: skip
 

@@ -125,6 +125,7 @@ def mxfp4_moe_triton(
     poison: bool = False,
     decode_tiles: DecodeTiles | None = None,
     pdl: bool = False,
+    valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path of mxfp4_moe (also on CPU tensors under TRITON_INTERPRET=1).
 
@@ -133,7 +134,10 @@ def mxfp4_moe_triton(
     contiguous) receives the result; ``poison`` fills the float scratch buffers with NaN so that
     a read of anything unwritten shows (tests). The weights must be contiguous, as
     MoeWeights.from_checkpoint makes them. ``pdl`` launches the decode path's kernels as
-    programmatic dependent launches (GPU only; the grouped path ignores it).
+    programmatic dependent launches (GPU only; the grouped path ignores it). ``valid_rows``
+    (int32 [1] on x's device; None: all rows): rows from ``valid_rows[0]`` on are padding,
+    left out of the grouping, their output zeros (read on the device by the grouping and sum
+    kernels; the decode path's per-pair GEMVs, 1-4 tokens, ignore it: _moe_small.py).
     """
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
@@ -144,13 +148,15 @@ def mxfp4_moe_triton(
             )
         return mxfp4_moe_decode(
             x, weights, top_k=top_k, alpha=alpha, limit=limit, tiles=decode_tiles, out=out,
-            poison=poison,
+            poison=poison, valid_rows=valid_rows,
         ).out  # fmt: skip
     tiles = tiles or tiles_for(x.shape[0], weights.num_experts, top_k)
-    _, routing_weights, grouping = route_triton(x, weights, top_k=top_k, tiles=tiles)
+    _, routing_weights, grouping = route_triton(
+        x, weights, top_k=top_k, tiles=tiles, valid_rows=valid_rows
+    )
     return _experts(
         x, weights, routing_weights, grouping,
-        tiles=tiles, alpha=alpha, limit=limit, out=out, poison=poison,
+        tiles=tiles, alpha=alpha, limit=limit, out=out, poison=poison, valid_rows=valid_rows,
     )  # fmt: skip
 
 
@@ -166,23 +172,25 @@ def moe_experts_triton(
     out: torch.Tensor | None = None,
     poison: bool = False,
     decode_tiles: DecodeTiles | None = None,
+    valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert half with the routing given: expert_ids/routing_weights [T, k] -> [T, H].
 
     Tests feed it a routing computed once in fp32, so the GEMMs are checked without ties
-    flipping experts between two routings. Path choice as in mxfp4_moe_triton."""
+    flipping experts between two routings. Path choice and ``valid_rows`` as in
+    mxfp4_moe_triton."""
     if tiles is None and _use_decode_path(x.shape[0], weights):
         return mxfp4_moe_decode(
             x, weights, alpha=alpha, limit=limit, tiles=decode_tiles, out=out, poison=poison,
-            expert_ids=expert_ids, routing_weights=routing_weights,
+            expert_ids=expert_ids, routing_weights=routing_weights, valid_rows=valid_rows,
         ).out  # fmt: skip
     tiles = tiles or tiles_for(x.shape[0], weights.num_experts, expert_ids.shape[1])
     expert_ids = expert_ids.to(torch.int32).contiguous()
-    grouping = group_pairs(expert_ids, weights.num_experts, tiles)
+    grouping = group_pairs(expert_ids, weights.num_experts, tiles, valid_rows)
     flat_weights = routing_weights.to(torch.float32).contiguous()
     return _experts(
         x, weights, flat_weights, grouping,
-        tiles=tiles, alpha=alpha, limit=limit, out=out, poison=poison,
+        tiles=tiles, alpha=alpha, limit=limit, out=out, poison=poison, valid_rows=valid_rows,
     )  # fmt: skip
 
 
@@ -193,9 +201,15 @@ def _use_decode_path(num_tokens: int, weights: MoeWeights) -> bool:
 
 
 def route_triton(
-    x: torch.Tensor, weights: MoeWeights, *, top_k: int, tiles: MoeTiles
+    x: torch.Tensor,
+    weights: MoeWeights,
+    *,
+    top_k: int,
+    tiles: MoeTiles,
+    valid_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Grouping]:
-    """x [T, H] -> (expert_ids [T, k] int32, routing_weights [T, k] fp32, grouping)."""
+    """x [T, H] -> (expert_ids [T, k] int32, routing_weights [T, k] fp32, grouping); every
+    token is routed, only those before ``valid_rows[0]`` (None: all) grouped."""
     num_tokens, hidden = x.shape
     num_experts = weights.num_experts
     x = x.contiguous()
@@ -209,7 +223,8 @@ def route_triton(
             TOP_K=top_k, K_PAD=_pow2(top_k), BLOCK_T=block_t, E_PAD=_experts_pad(num_experts),
             BLOCK_K=block_k, INTERPRET=_interpreting(),
         )  # fmt: skip
-        return expert_ids, routing_weights, group_pairs(expert_ids, num_experts, tiles)
+        grouping = group_pairs(expert_ids, num_experts, tiles, valid_rows)
+        return expert_ids, routing_weights, grouping
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     block_t, block_e, block_k = 16, 16, 256
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))
@@ -218,18 +233,26 @@ def route_triton(
         num_tokens, num_experts, x.stride(0),
         HIDDEN=hidden, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, INTERPRET=_interpreting(),
     )  # fmt: skip
-    grouping = _group_small(logits, expert_ids, routing_weights, num_experts, tiles)
+    grouping = _group_small(
+        logits, expert_ids, routing_weights, num_experts, tiles, valid_rows=valid_rows
+    )
     return expert_ids, routing_weights, grouping
 
 
-def group_pairs(expert_ids: torch.Tensor, num_experts: int, tiles: MoeTiles) -> Grouping:
-    """expert_ids [T, k] int32 (contiguous) -> the pairs grouped by expert, on the device."""
+def group_pairs(
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    tiles: MoeTiles,
+    valid_rows: torch.Tensor | None = None,
+) -> Grouping:
+    """expert_ids [T, k] int32 (contiguous) -> the pairs grouped by expert, on the device,
+    but for those of tokens from ``valid_rows[0]`` on (int32 [1]; None: none)."""
     if tiles.small_routing:
-        return _group_small(None, expert_ids, None, num_experts, tiles)
+        return _group_small(None, expert_ids, None, num_experts, tiles, valid_rows=valid_rows)
     grouping = _empty_grouping(expert_ids.numel(), num_experts, tiles.block_m, expert_ids.device)
     launch_block_table(
         expert_ids, num_experts, tiles.block_m, sorted_pairs=grouping.sorted_pair_ids,
-        block_table=grouping.block_table, num_blocks=grouping.num_blocks,
+        block_table=grouping.block_table, num_blocks=grouping.num_blocks, valid_rows=valid_rows,
     )  # fmt: skip
     return grouping
 
@@ -240,8 +263,11 @@ def _group_small(
     routing_weights: torch.Tensor | None,
     num_experts: int,
     tiles: MoeTiles,
+    *,
+    valid_rows: torch.Tensor | None,
 ) -> Grouping:
-    """One program: top-k from ``logits`` (writing ids and weights) when given, then grouping."""
+    """One program: top-k from ``logits`` (writing ids and weights) when given, then grouping
+    (the tokens before ``valid_rows[0]``; None: all)."""
     num_tokens, top_k = expert_ids.shape
     grouping = _empty_grouping(expert_ids.numel(), num_experts, tiles.block_m, expert_ids.device)
     from_logits = logits is not None
@@ -249,7 +275,7 @@ def _group_small(
         logits if from_logits else expert_ids, expert_ids,
         routing_weights if from_logits else expert_ids,
         grouping.sorted_pair_ids, grouping.block_table, grouping.num_blocks,
-        num_tokens, num_experts, grouping.max_blocks,
+        num_tokens, num_experts, grouping.max_blocks, valid_rows,
         TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_experts_pad(num_experts),
         CHUNK_T=min(16, _pow2(num_tokens)), BLOCK_M=tiles.block_m, CHUNK_B=TABLE_CHUNK,
         FROM_LOGITS=from_logits, num_warps=4,
@@ -278,8 +304,10 @@ def _experts(
     limit: float,
     out: torch.Tensor | None,
     poison: bool,
+    valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The three GEMM-side launches: gate_up + SwiGLU, down, ordered top-k sum."""
+    """The three GEMM-side launches: gate_up + SwiGLU, down, ordered top-k sum. The GEMMs
+    see only the grouping's pairs; ``valid_rows`` zeroes the padding rows' sums."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the Triton MoE takes bf16 activations, got {x.dtype}")
     x = x.contiguous()
@@ -309,7 +337,7 @@ def _experts(
         block_m=tiles.block_m, gemm_tiles=tiles.down, n=hidden, k=inter, max_blocks=max_blocks,
         ptx=ptx, step_rows=weights.step_rows,
     )  # fmt: skip
-    sum_pairs(y, out, top_k)
+    sum_pairs(y, out, top_k, valid_rows)
     return out
 
 

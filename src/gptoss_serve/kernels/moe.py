@@ -214,20 +214,31 @@ def mxfp4_moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     pdl: bool = False,
+    valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x's dtype: routing, the top_k experts' SwiGLU MLPs, weighted sum.
 
     The Triton kernels when x is a bf16 CUDA tensor (the tensor cores take bf16), the
     plain-torch reference otherwise (CPU, or another dtype). ``pdl``: the decode path's
     kernels as programmatic dependent launches where that applies (kernels/launch.py).
+
+    ``valid_rows`` (int32 [1] on x's device; None: every row is valid): the rows from
+    ``valid_rows[0]`` on are padding (a CUDA graph's rows past the step's real ones): their
+    output rows are zeros and they cost no expert weights. The kernels read the count on the
+    device (no host sync: a captured graph sees each replay's value). One exception, for the
+    latency of the batch-1 kernels: the per-pair decode GEMVs (1-4 tokens) do not read it and
+    compute every row (the engine never pads a step of fewer than 9 rows).
     """
     if x.is_cuda and x.dtype == torch.bfloat16:
         from gptoss_serve.kernels._moe_triton import mxfp4_moe_triton  # noqa: PLC0415 (needs triton)
 
         return mxfp4_moe_triton(
-            x, weights, top_k=top_k, alpha=alpha, limit=limit, pdl=pdl_applies(pdl, x)
-        )
-    return mxfp4_moe_reference(x, weights, top_k=top_k, alpha=alpha, limit=limit)
+            x, weights, top_k=top_k, alpha=alpha, limit=limit, pdl=pdl_applies(pdl, x),
+            valid_rows=valid_rows,
+        )  # fmt: skip
+    return mxfp4_moe_reference(
+        x, weights, top_k=top_k, alpha=alpha, limit=limit, valid_rows=valid_rows
+    )
 
 
 def mxfp4_moe_bytes(
@@ -339,9 +350,17 @@ def mxfp4_moe_reference(
     top_k: int = 4,
     alpha: float = 1.702,
     limit: float = 7.0,
+    valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch, fp32 inside: fp32 router logits, route, then only the chosen experts
-    dequantized and run through ``moe``; the output is cast to x's dtype."""
+    dequantized and run through ``moe``; the output is cast to x's dtype. The rows from
+    ``valid_rows[0]`` on (read on the host: a sync) are zeros, computed by no expert."""
+    if valid_rows is not None:
+        num_valid = min(int(valid_rows[0]), x.shape[0])
+        out = torch.zeros_like(x)
+        out[:num_valid] = mxfp4_moe_reference(x[:num_valid], weights, top_k=top_k, alpha=alpha,
+                                              limit=limit)  # fmt: skip
+        return out
     routing_weights, expert_ids = route(router_logits_reference(x, weights), top_k)
     return mxfp4_moe_experts_reference(
         x, weights, expert_ids, routing_weights, alpha=alpha, limit=limit
