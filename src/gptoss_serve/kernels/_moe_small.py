@@ -1,7 +1,7 @@
 """Host side of the GEMV-shaped MXFP4 MoE, the "decode path" (T ≤ DECODE_MAX_TOKENS, which now
 reaches prefill chunks too): tiles, buffers, launches.
 
-Up to 16 tokens (per-pair GEMVs, 3 launches):
+Up to 4 tokens (per-pair GEMVs, 3 launches):
 
     _router_kernel   logits [T, E] fp32, x in thread order, and     (E / router_experts programs)
                      in its last program the top-k routing
@@ -12,8 +12,9 @@ No device-to-host sync (CUDA-graph capturable) and bitwise repeatable: the one a
 router's ticket, and the routing does not depend on which program draws the last one. Each
 (token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
 reads those rows more than once from L2 (not from HBM: the programs of one row tile run
-together, pairs fastest). From 17 tokens the pairs are grouped by expert (_moe_columns.py,
-``launch_columns``, after the K-split router: 6 launches; past 4096 pairs the grouping is
+together, pairs fastest). From 5 tokens the pairs are grouped by expert (_moe_columns.py,
+``launch_columns``: 5 launches, 6 from 17 tokens with the K-split router; past 4096 pairs the
+grouping is
 the prefill one's count / block table / scatter, whose atomics may deal an expert's pairs to
 its groups in another order, which changes no value: each pair is its own MMA column); past
 DECODE_MAX_TOKENS the grouped GEMMs of _moe_triton.py take over.

@@ -9,19 +9,24 @@ expert MLP in plain torch.
 On CUDA it runs the Triton kernels; elsewhere the plain-torch reference at the bottom of this
 module. Two Triton paths (_moe_triton.py picks by T):
 
-- decode, T ≤ 64 (_moe_small.py): router logits; a gate_up GEMV per (token, slot) pair that
-  takes its expert from the top-k; a down GEMV per token that sums its k experts in-program.
-  Three launches, the MXFP4 decoded straight into the MMA's registers (_moe_gemv.py).
-- grouped, larger T: routing, grouping of the T·k (token, slot) pairs by expert, two grouped
-  GEMMs that dequantize MXFP4 in registers, an ordered top-k sum.
+- decode, T ≤ 8192 (_moe_small.py): up to 4 tokens router logits, a gate_up GEMV per
+  (token, slot) pair that takes its expert from the top-k and a down GEMV per token that sums
+  its k experts in-program (three launches); from 5 tokens the pairs grouped by expert, each
+  group's pairs the MMAs' columns (_moe_columns.py). The MXFP4 is decoded straight into the
+  MMA's registers (_moe_gemv.py).
+- grouped GEMMs, larger T (or forced by tiles): routing, grouping of the T·k (token, slot)
+  pairs by expert, two grouped GEMMs that dequantize MXFP4 in registers, an ordered top-k
+  sum.
 
 Cost per call, for the benchmark (``mxfp4_moe_bytes``, ``mxfp4_moe_flops``):
 
 - bytes: each distinct expert the tokens touch is read once. Per expert
   2I·H/2 + 2I·H/32 + 2·2I (gate_up blocks, E8M0 scales, bf16 bias) + H·I/2 + H·I/32 + 2·H
-  (down) = 13,236,480 B at H = I = 2880. Batch 1 touches 4 experts: 52.9 MB per layer, 1.91 GB
-  for the 36 layers of 120b. T tokens touch about E·(1 − (1 − k/E)^T) experts (111 of 128 at
-  T = 64). Not counted: activations, the router weight (E·H bf16 = 0.74 MB), scratch buffers.
+  (down) = 13,236,480 B at H = I = 2880 (the checkpoint's bytes: the kernels' layout pads
+  rows to whole steps, 2.2% more read, not counted as useful). Batch 1 touches 4 experts:
+  52.9 MB per layer, 1.91 GB for the 36 layers of 120b. T tokens touch about
+  E·(1 − (1 − k/E)^T) experts (111 of 128 at T = 64). Not counted: activations, the router
+  weight (E·H bf16 = 0.74 MB), scratch buffers.
 - FLOPs (tensor-core work): 2·T·k·(2I·H + I·H) = 199 MFLOP per token at 120b shapes (2048
   tokens: 408 GFLOP); the router's 2·T·H·E (0.74 MFLOP per token) is not counted.
 """
