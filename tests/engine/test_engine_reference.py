@@ -135,15 +135,8 @@ def test_async_scheduling_gives_the_tokens_of_steps_in_turn(
         make_core, _ = _make_core(model_dir, budget=48, kv_tokens=224,
                                   async_scheduling=async_scheduling)  # fmt: skip
         core = make_core()
-        for index, (request_id, prompt) in enumerate(prompts.items()):
-            params = SamplingParams(max_tokens=20 + 5 * index, temperature=1.0, seed=index,
-                                    stop_token_ids=stop)  # fmt: skip
-            core.add_request(request_id, prompt, params)
-        tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
-        while core.has_unfinished_requests:
-            for output in core.step().outputs:
-                tokens[output.request_id].extend(output.new_token_ids)
-        assert core._in_flight is None and core.scheduler.stats().num_preemptions > 0
+        tokens = _run_to_the_end(core, prompts, stop=stop)
+        assert core.scheduler.stats().num_preemptions > 0
         return tokens
 
     plain = run(async_scheduling=False)
@@ -152,6 +145,63 @@ def test_async_scheduling_gives_the_tokens_of_steps_in_turn(
     assert stopped == run(async_scheduling=False, stop=(stop,))
     assert len(stopped["q1"]) <= 3 and stopped["q1"][-1] == stop
     assert run(async_scheduling=True) == plain
+
+
+def _run_to_the_end(
+    core, prompts: dict[str, list[int]], *, stop: tuple[int, ...] = (), grammars: dict | None = None
+) -> dict[str, list[int]]:
+    """Every request's tokens (temperature 1, seeded; ``grammars``: request -> grammar);
+    with async scheduling the steps must have run ahead, also while a grammar was active."""
+    grammars = grammars or {}
+    for index, (request_id, prompt) in enumerate(prompts.items()):
+        params = SamplingParams(max_tokens=20 + 5 * index, temperature=1.0, seed=index,
+                                stop_token_ids=stop, grammar=grammars.get(request_id))  # fmt: skip
+        core.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    constrained = set(grammars)  # unfinished requests with a grammar
+    ran_ahead = False
+    while core.has_unfinished_requests:
+        result = core.step()
+        assert not result.failed
+        ran_ahead |= core._in_flight is not None and (bool(constrained) or not grammars)
+        for output in result.outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                constrained.discard(output.request_id)
+    assert core._in_flight is None and ran_ahead == core.async_scheduling
+    return tokens
+
+
+def test_async_scheduling_with_grammars_gives_the_tokens_of_steps_in_turn(demo_dir: Path) -> None:
+    """Rows with a grammar run ahead too (their sampling waits for the masks after the tokens
+    in flight): the same tokens as step by step, each grammar held, none failed."""
+    from gptoss_serve.constrain import adapter  # noqa: PLC0415
+    from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar  # noqa: PLC0415
+    from gptoss_serve.harmony import adapter as harmony  # noqa: PLC0415
+
+    model_dir = demo_dir  # the real vocabulary: the grammars' Harmony tokens
+    vocab = _weights(model_dir).config.vocab_size
+    prompts = {f"g{i}": _prompt(vocab, 30 + 17 * i, seed=60 + i) for i in range(4)}
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    grammars = {
+        "g0": build_grammar(ConstraintSpec(reasoning_budget=3)),
+        "g2": build_grammar(ConstraintSpec(response_schema=schema, reasoning_budget=2)),
+    }
+    stop = harmony.assistant_stop_token_ids()
+    runs = {}
+    for async_scheduling in (False, True):
+        make_core, _ = _make_core(model_dir, budget=48, kv_tokens=224,
+                                  async_scheduling=async_scheduling)  # fmt: skip
+        core = make_core()
+        runs[async_scheduling] = _run_to_the_end(core, prompts, stop=stop, grammars=grammars)
+        assert core.scheduler.stats().num_preemptions > 0
+    assert runs[True] == runs[False]
+    assert runs[True]["g2"][-1] in stop  # its grammar ran to the end
+    for request_id, grammar in grammars.items():
+        matcher = adapter.new_matcher(grammar)
+        for token in runs[True][request_id]:
+            matcher.consume(token)  # raises if the grammar refuses a token
 
 
 def test_async_engine_streams_aborts_and_refuses(checkpoint_dirs: dict[str, Path]) -> None:

@@ -9,8 +9,11 @@ Async scheduling (``async_scheduling``, on by default): each ``step`` schedules 
 the next step before it waits for the tokens of the one in flight, so the device runs while
 the host reads tokens back, updates the requests and prepares the next inputs (the ~0.17 ms
 a 120b batch-1 step left the H200 idle). The tokens are the same: a placeholder row takes
-its token on the device, and the seeds and token indices do not depend on the timing. Not
-while a request has a grammar, whose next mask needs the token just sampled.
+its token on the device, and the seeds and token indices do not depend on the timing. When a
+row of the next step has a grammar, whose next mask needs the token just sampled, only its
+forward pass goes ahead: the host then reads the tokens in flight, advances the grammars and
+launches the sampling with their masks while the device still runs that forward pass (every
+API request has a grammar, its reasoning budget's; bench/RESULTS.md e16).
 """
 
 from __future__ import annotations
@@ -120,20 +123,17 @@ class EngineCore:
             if output.is_empty:
                 return StepResult([])
             launched = self._launch(output, None)
-        if self._can_run_ahead():
+        result = None
+        if self.async_scheduling:
             ahead = self.scheduler.schedule(ahead=True)
             if not ahead.is_empty:
-                self._in_flight = self._launch(ahead, launched.previous())
-        result = self._complete(launched)
+                self._in_flight, result = self._launch_ahead(ahead, launched)
+        if result is None:
+            result = self._complete(launched)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests:
             self._complete(self._in_flight)  # its rows' requests have all finished
             self._in_flight = None
         return result
-
-    def _can_run_ahead(self) -> bool:
-        return self.async_scheduling and all(
-            state.constraint is None for state in self._states.values()
-        )
 
     def _launch(self, output: SchedulerOutput, previous: PreviousTokens | None) -> _Launched:
         logits, inputs = self.runner.forward(output, previous)
@@ -143,6 +143,23 @@ class EngineCore:
         bitmask, failed = self._bitmasks(ids)
         tokens = self.runner.sample_async(logits, sampling, bitmask) if ids else None
         return _Launched(output, ids, tokens, failed)
+
+    def _launch_ahead(
+        self, output: SchedulerOutput, launched: _Launched
+    ) -> tuple[_Launched, StepResult | None]:
+        """Launch ``output`` while ``launched`` is in flight. Rows with a grammar need the mask
+        after the token in flight: then only the forward pass is queued before ``launched``
+        completes (returned), and the sampling after it, with the masks of the grammars just
+        advanced (a request finished or failed meanwhile samples unmasked, its token unused)."""
+        logits, inputs = self.runner.forward(output, launched.previous())
+        ids = inputs.sampled_request_ids
+        sampling = self._sampling_batch(ids)  # before the update: the same draw as in turn
+        result = None
+        if any(self._constraint(request_id) is not None for request_id in ids):
+            result = self._complete(launched)
+        bitmask, failed = self._bitmasks(ids)
+        tokens = self.runner.sample_async(logits, sampling, bitmask) if ids else None
+        return _Launched(output, ids, tokens, failed), result
 
     def _complete(self, launched: _Launched) -> StepResult:
         """Read a launched step's tokens back and update the requests with them."""
@@ -172,8 +189,12 @@ class EngineCore:
             steps.append(self.scheduler.requests[request_id].num_output_tokens)
         return SamplingBatch(temperature, top_p, seeds, steps)
 
+    def _constraint(self, request_id: str) -> GrammarConstraint | None:
+        state = self._states.get(request_id)  # None: finished or aborted since scheduled
+        return None if state is None else state.constraint
+
     def _bitmasks(self, request_ids: Sequence[str]) -> tuple[torch.Tensor | None, dict[str, str]]:
-        rows = [self._states[r].constraint for r in request_ids]
+        rows = [self._constraint(r) for r in request_ids]
         if all(c is None for c in rows):
             return None, {}
         bitmask = torch.full((len(rows), num_mask_words()), -1, dtype=torch.int32)
