@@ -16,6 +16,7 @@ from gptoss_serve.config import EngineConfig, SchedulerConfig
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
 from gptoss_serve.engine.client import EngineInfo
+from gptoss_serve.engine.compile_watch import watch_late_compiles
 from gptoss_serve.engine.cuda_graphs import graph_batch_sizes
 from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.forward import forward
@@ -68,6 +69,7 @@ def build_engine(
     runner.capture_graphs()
     if weights.device.type == "cuda" and not config.reference_ops:
         warm_up(runner, scheduler_config, plan)
+        watch_late_compiles()
 
     def make_core() -> EngineCore:
         manager = KvCacheManager(
