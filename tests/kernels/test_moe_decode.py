@@ -576,10 +576,10 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
             assert "cp.async" in ptx and "mma.sync" in ptx and "mul.rn.bf16x2" in ptx
             assert ".local" not in ptx and "shfl" not in ptx
         num_pairs = 4 * num_tokens
-        g_max = _moe_columns.max_groups(num_pairs, 128, tiles.group_size)
         p_pad = 1 << (num_pairs - 1).bit_length()
-        group = dict(G_MAX=g_max, COLS=tiles.group_size, P_PAD=p_pad, E_PAD=128, PDL=False, TOP_K=4)
-        group |= dict(FILL=min(4096, 1 << (g_max * tiles.group_size - 1).bit_length()))
+        g_bound = _moe_columns.max_groups(p_pad, 128, tiles.group_size)
+        group = dict(COLS=tiles.group_size, P_PAD=p_pad, E_PAD=128, PDL=False, TOP_K=4)
+        group |= dict(FILL=min(4096, 1 << (g_bound * tiles.group_size - 1).bit_length()))
         ptx = compile_sm90(_moe_columns._group_kernel, group, {}, dict(num_warps=8))
         assert ".local" not in ptx
     from gptoss_serve.kernels import _moe_router_split  # noqa: PLC0415

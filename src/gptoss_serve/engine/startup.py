@@ -195,12 +195,14 @@ def warm_up(runner: ModelRunner, scheduler: SchedulerConfig, plan: KvCachePlan) 
         while batch < scheduler.max_num_seqs:
             runner.forward(_dummy_step([context] * batch, 16))
             batch *= 4
-    # The sampler at every decode batch size (its kernels specialise on the row count).
+    # The sampler at every decode batch size, with and without the nucleus search (top_p 1,
+    # the API's default, skips it: another compiled variant).
     vocab = runner.weights.config.vocab_size
     for rows in graph_batch_sizes(scheduler.max_num_seqs):
         logits = torch.zeros(rows, vocab, dtype=torch.float32, device=runner.device)
-        runner.sample(logits, SamplingBatch([1.0] * rows, [0.9] * rows, [0] * rows, [0] * rows),
-                      None)  # fmt: skip
+        for top_p in (0.9, 1.0):
+            batch = SamplingBatch([1.0] * rows, [top_p] * rows, [0] * rows, [0] * rows)
+            runner.sample(logits, batch, None)
     torch.cuda.synchronize(runner.device)
     logger.info("warm-up of the eager step shapes: %.1fs", time.perf_counter() - started)
 

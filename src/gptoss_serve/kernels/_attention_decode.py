@@ -109,7 +109,8 @@ def _split_bounds(seq_len, window, num_splits, split_id, HAS_WINDOW: tl.constexp
     return start, end, num_active
 
 
-@triton.jit
+# do_not_specialize: counts that vary by step compile once, not per value class (compile_watch.py)
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, sinks_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -175,7 +176,7 @@ def _decode_kernel(
         tl.store(acc_ptrs, acc, mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     sinks_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,

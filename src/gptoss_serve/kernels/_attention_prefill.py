@@ -93,7 +93,8 @@ def _attend_tile(
     return softmax_update(scores, v, m_i, l_i, acc)
 
 
-@triton.jit
+# do_not_specialize: counts that vary by step compile once, not per value class (compile_watch.py)
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, query_start_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,

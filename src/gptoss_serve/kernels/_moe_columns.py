@@ -85,26 +85,31 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+# do_not_specialize: counts that vary by step compile once, not per value class (compile_watch.py)
+@triton.jit(do_not_specialize=["num_pairs", "g_max"])
 def _group_kernel(
-    expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_pairs, valid_rows_ptr,
-    G_MAX: tl.constexpr, COLS: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    FILL: tl.constexpr, PDL: tl.constexpr, TOP_K: tl.constexpr,
+    expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_pairs, valid_rows_ptr, g_max,
+    COLS: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr,
+    PDL: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """One sort of the keys expert · P_PAD + pair (unique, so the order is stable: an expert's
     pairs in pair order), then scans: a pair's rank is its distance from its expert's first
     sorted position (a running max of the run starts), a group starts at every rank that is a
     multiple of COLS, and a running count of those numbers the groups. The pairs of tokens at
-    or past ``valid_rows[0]`` (None: none) are padding, left out like the sort's own."""
+    or past ``valid_rows[0]`` (None: none) are padding, left out like the sort's own. ``g_max``
+    (the tables' groups) is a runtime value: as a constexpr it compiled the kernel anew for
+    every token count an eager step brought (seconds of a request's TTFT)."""
     # The count is the host's upload (before the graph), not the previous kernel's output.
     num_valid = _num_valid(valid_rows_ptr, num_pairs, TOP_K)
     if PDL:  # the routing comes from the previous kernel
         gdc_wait()
         gdc_launch_dependents()
-    for f0 in tl.range(0, G_MAX * COLS, FILL):
+    f0 = tl.program_id(0) * 0  # a runtime bound: a while loop (the interpreter's range needs ints)
+    while f0 < g_max * COLS:
         fill = f0 + tl.arange(0, FILL)
-        tl.store(group_pairs_ptr + fill, -1, mask=fill < G_MAX * COLS)
-        tl.store(group_expert_ptr + fill, -1, mask=fill < G_MAX)
+        tl.store(group_pairs_ptr + fill, -1, mask=fill < g_max * COLS)
+        tl.store(group_expert_ptr + fill, -1, mask=fill < g_max)
+        f0 += FILL
     tl.debug_barrier()  # the fill lands before the scatter below (same addresses)
     index = tl.arange(0, P_PAD)
     experts = tl.load(expert_ids_ptr + index, mask=index < num_valid, other=E_PAD)  # pad: last
@@ -121,21 +126,21 @@ def _group_kernel(
     tl.store(group_expert_ptr + group, experts, mask=valid & (column == 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["g_max"])
 def _table_groups_kernel(
-    sorted_pairs_ptr, block_table_ptr, num_blocks_ptr, group_expert_ptr, group_pairs_ptr,
-    G_MAX: tl.constexpr, COLS: tl.constexpr, BLOCK_G: tl.constexpr,
+    sorted_pairs_ptr, block_table_ptr, num_blocks_ptr, group_expert_ptr, group_pairs_ptr, g_max,
+    COLS: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
-    """The prefill grouping (``block_table`` [3, G_MAX]: expert, first and end row of
+    """The prefill grouping (``block_table`` [3, g_max]: expert, first and end row of
     ``sorted_pairs`` of each block of up to COLS pairs; ``num_blocks`` of them) rewritten as
     the columns' groups, every entry written (-1 where unused). Within a group the pairs come
     in the scatter's order, which changes no value: each pair is its own MMA column."""
     groups = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-    in_table = groups < G_MAX
+    in_table = groups < g_max
     live = in_table & (groups < tl.load(num_blocks_ptr))
     expert = tl.load(block_table_ptr + groups, mask=live, other=-1)
-    start = tl.load(block_table_ptr + G_MAX + groups, mask=live, other=0)
-    end = tl.load(block_table_ptr + 2 * G_MAX + groups, mask=live, other=0)
+    start = tl.load(block_table_ptr + g_max + groups, mask=live, other=0)
+    end = tl.load(block_table_ptr + 2 * g_max + groups, mask=live, other=0)
     rows = start[:, None] + tl.arange(0, COLS)[None, :]
     pairs = tl.load(sorted_pairs_ptr + rows, mask=rows < end[:, None], other=-1)
     tl.store(group_expert_ptr + groups, expert, mask=in_table)

@@ -72,7 +72,8 @@ def _row_block(
     return live, expert.to(tl.int64), rows, rows < row_end, cols, cols < N
 
 
-@triton.jit
+# do_not_specialize: counts that vary by step compile once, not per value class (compile_watch.py)
+@triton.jit(do_not_specialize=["max_blocks"])
 def _gate_up_kernel(
     x_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr,
     sorted_ids_ptr, block_table_ptr, num_blocks_ptr,
@@ -111,7 +112,7 @@ def _gate_up_kernel(
     tl.store(h_ptr + rows[:, None] * stride_h + units[None, :], h, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _down_kernel(
     h_ptr, blocks_ptr, scales_ptr, bias_ptr, routing_weights_ptr, y_ptr,
     sorted_ids_ptr, block_table_ptr, num_blocks_ptr,

@@ -27,7 +27,8 @@ from gptoss_serve.kernels._moe_decode import _thread_order
 from gptoss_serve.kernels._moe_routing import _write_routing
 
 
-@triton.jit
+# do_not_specialize: counts that vary by step compile once, not per value class (compile_watch.py)
+@triton.jit(do_not_specialize=["num_tokens"])
 def _router_split_kernel(
     x_ptr, weight_ptr, partial_ptr, x_thread_ptr, num_tokens, stride_x,
     H: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -67,7 +68,7 @@ def _router_split_kernel(
     tl.store(partial_ptr + rows, acc, mask=token_mask[:, None] & (experts < E)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _router_finish_kernel(
     partial_ptr, bias_ptr, expert_ids_ptr, routing_weights_ptr, num_tokens,
     NUM_PARTS: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,

@@ -104,7 +104,8 @@ def _router_kernel(
     tl.store(logits_ptr + tokens[:, None] * num_experts + experts[None, :], logits, mask=mask)
 
 
-@triton.jit
+# do_not_specialize: counts that vary by step compile once, not per value class (compile_watch.py)
+@triton.jit(do_not_specialize=["num_tokens"])
 def _router_topk_kernel(
     x_ptr, weight_ptr, bias_ptr, expert_ids_ptr, routing_weights_ptr,
     num_tokens, num_experts, stride_x, HIDDEN: tl.constexpr,
@@ -200,7 +201,7 @@ def _chunk_pairs(
     return tl.reshape(ids, [CHUNK_T * K_PAD]), tl.reshape(pairs, [CHUNK_T * K_PAD])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "max_blocks"])
 def _route_small_kernel(
     logits_ptr, expert_ids_ptr, routing_weights_ptr,
     sorted_pair_ids_ptr, block_table_ptr, num_blocks_ptr,
@@ -244,7 +245,7 @@ def _route_small_kernel(
         t0 += CHUNK_T
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(
     expert_ids_ptr, counts_ptr, num_pairs, valid_rows_ptr,
     E_PAD: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr,
@@ -259,7 +260,7 @@ def _count_kernel(
     tl.atomic_add(counts_ptr + experts, local, mask=local > 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _block_table_kernel(
     counts_ptr, cursor_ptr, block_table_ptr, num_blocks_ptr, num_experts, max_blocks,
     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK_B: tl.constexpr,
@@ -278,7 +279,7 @@ def _block_table_kernel(
                        tl.program_id(0) * CHUNK_B, BLOCK_M, CHUNK_B)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(
     expert_ids_ptr, cursor_ptr, sorted_ids_ptr, num_pairs, valid_rows_ptr,
     BLOCK: tl.constexpr, TOP_K: tl.constexpr,

@@ -553,10 +553,13 @@ def group(
         _group_by_table(ids, num_experts, group_expert, group_pairs, valid_rows)
         return group_expert, group_pairs
     pdl = _pdl(tiles)
+    p_pad = _pow2(num_pairs)
+    # Constexprs by powers of two only (FILL from the bound of P_PAD pairs): a value that
+    # follows the token count compiles the kernel anew for each one (engine/compile_watch.py).
+    fill = min(_GROUP_FILL, _pow2(columns.max_groups(p_pad, num_experts, cols) * cols))
     columns._group_kernel[(1,)](
-        ids, group_expert, group_pairs, num_pairs, valid_rows, G_MAX=g_max, COLS=cols,
-        P_PAD=_pow2(num_pairs), E_PAD=_pow2(num_experts),
-        FILL=min(_GROUP_FILL, _pow2(g_max * cols)), PDL=pdl, TOP_K=ids.shape[1], num_warps=8,
+        ids, group_expert, group_pairs, num_pairs, valid_rows, g_max, COLS=cols, P_PAD=p_pad,
+        E_PAD=_pow2(num_experts), FILL=fill, PDL=pdl, TOP_K=ids.shape[1], num_warps=8,
         launch_pdl=pdl,
     )  # fmt: skip
     return group_expert, group_pairs
@@ -614,8 +617,8 @@ def _group_by_table(
         num_blocks=num_blocks, valid_rows=valid_rows,
     )  # fmt: skip
     columns._table_groups_kernel[(triton.cdiv(g_max, _TABLE_GROUPS),)](
-        sorted_pairs, block_table, num_blocks, group_expert, group_pairs, G_MAX=g_max,
-        COLS=cols, BLOCK_G=_TABLE_GROUPS,
+        sorted_pairs, block_table, num_blocks, group_expert, group_pairs, g_max, COLS=cols,
+        BLOCK_G=_TABLE_GROUPS,
     )  # fmt: skip
 
 

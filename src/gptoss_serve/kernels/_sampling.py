@@ -122,7 +122,8 @@ def _stats_kernel(
     tl.store(part_sum_ptr + index, total)
 
 
-@triton.jit
+# do_not_specialize: counts that vary by step compile once, not per value class (compile_watch.py)
+@triton.jit(do_not_specialize=["num_rows"])
 def _search_kernel(
     logits_ptr, stride_row, temperature_ptr, top_p_ptr, part_max_ptr, part_sum_ptr,
     prefix_ptr, mass_ptr, vocab, num_rows, num_chunks,
@@ -160,7 +161,7 @@ def _search_kernel(
         tl.store(out + chunk * NUM_DIGITS + tl.arange(0, NUM_DIGITS), masses)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _sample_kernel(
     logits_ptr, stride_row, temperature_ptr, top_p_ptr, seeds_ptr, steps_ptr, part_max_ptr,
     part_sum_ptr, prefix_ptr, mass_ptr, part_score_ptr, part_token_ptr, vocab, num_rows,
