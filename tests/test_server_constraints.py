@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.constrain.grammar import ANY_OBJECT
+from gptoss_serve.server import constraints
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.constraints import constraint_spec, reasoning_budget
 from gptoss_serve.server.protocol import CreateResponseRequest
@@ -158,3 +159,19 @@ def test_every_request_gets_a_grammar_and_well_formed_scripts_pass_it() -> None:
     assert [item["type"] for item in call["output"]] == ["reasoning", "message", "function_call"]
     assert other["status"] == "failed"
     assert all(params.grammar for params in engine.params)
+
+
+def test_startup_builds_the_grammar_tokenizer_and_default_grammar(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first request must not wait ~2 s for the grammar library's tokenizer: the app's
+    start-up builds it and compiles a plain request's grammar."""
+    calls = []
+    real = constraints.warm_up
+    monkeypatch.setattr(constraints, "warm_up", calls.append)
+    config = ServerConfig()
+    app = create_app(ScriptedEngine([]), ResponseStore(":memory:"), config)
+    assert not calls
+    with TestClient(app):
+        assert calls == [config]
+    real(config)  # compiles (or finds) the default grammar, raising on a bad one

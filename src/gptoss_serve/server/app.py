@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gptoss_serve import __version__
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
+from gptoss_serve.server import constraints
 from gptoss_serve.server.errors import install_error_handlers, not_found
 from gptoss_serve.server.objects import (
     DeletedResponse,
@@ -44,6 +45,7 @@ _SSE_DOC = {
 def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(constraints.warm_up, config)  # not in the first request
         yield
         await engine.close()
         store.close()
