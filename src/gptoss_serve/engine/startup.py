@@ -184,21 +184,17 @@ def warm_up(runner: ModelRunner, scheduler: SchedulerConfig, plan: KvCachePlan) 
     started = time.perf_counter()
     num_blocks = min(plan.num_full_blocks, plan.num_sliding_blocks or plan.num_full_blocks)
     budget = scheduler.max_num_batched_tokens
-    # Powers of two and the halfway sizes between them: the MoE's tile rows by token count
-    # (128, 384, 1024, ...) and its constexprs by powers of two (of the pairs) all meet one.
-    powers = [1 << i for i in range(4, budget.bit_length())]
-    sizes = sorted({*powers, *(p + p // 2 for p in powers if p + p // 2 <= budget), budget})
+    sizes = sorted({*(1 << i for i in range(4, budget.bit_length())), budget})
     for num_tokens in sizes:
         if cdiv(num_tokens, BLOCK_SIZE) <= num_blocks:
             runner.forward(_dummy_step([], num_tokens))
-    # Decodes beside a prefill chunk run eagerly, their attention sized by the real context:
-    # every tile row by batch, and split counts from 1 (short contexts) to the most.
-    batches = [b for b in (1, 4, 16, 32, 64) if b <= scheduler.max_num_seqs]
-    for context in (1 << i for i in range(6, 17)):
+    for context in (256, 2048, 16384, 65536):
         if cdiv(context, BLOCK_SIZE) > num_blocks or context >= scheduler.max_model_len:
             continue
-        for batch in batches:
+        batch = 1
+        while batch < scheduler.max_num_seqs:
             runner.forward(_dummy_step([context] * batch, 16))
+            batch *= 4
     # The sampler at every decode batch size, with and without the nucleus search (top_p 1,
     # the API's default, skips it: another compiled variant).
     vocab = runner.weights.config.vocab_size
