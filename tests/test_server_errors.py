@@ -247,8 +247,8 @@ MALFORMED: list[Any] = [
                  id="metadata-int-value"),
     pytest.param(with_base(truncation="sometimes"), 400, "truncation", None,
                  id="truncation-sometimes"),
-    pytest.param(with_base(background=True), 400, "background", "unsupported_parameter",
-                 id="background"),
+    pytest.param(with_base(background=True, store=False), 400, "background", None,
+                 id="background-not-stored"),
     pytest.param(
         with_base(include=["message.output_text.logprobs", "file_search_call.results"]), 400,
         "include[0]", "unsupported_parameter", id="include-unsupported",

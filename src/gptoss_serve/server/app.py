@@ -16,7 +16,8 @@ from gptoss_serve import __version__
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
 from gptoss_serve.server import constraints
-from gptoss_serve.server.errors import install_error_handlers, not_found
+from gptoss_serve.server.background import BackgroundRuns
+from gptoss_serve.server.errors import bad_request, install_error_handlers, not_found
 from gptoss_serve.server.objects import (
     DeletedResponse,
     ErrorResponse,
@@ -47,8 +48,11 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(constraints.warm_up, config)  # not in the first request
         yield
+        await runs.close()
         await engine.close()
         store.close()
+
+    runs = BackgroundRuns(engine, store)
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -57,23 +61,32 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, **_SSE_DOC})
     async def create_response(body: CreateResponseRequest, request: Request):
         prepared = prepare(body, engine, store, config)
+        if body.background:  # runs on without this request; its events are kept
+            background = runs.start(prepared)
+            if body.stream:
+                return _event_stream(background.follow())
+            return JSONResponse(background.snapshot())
         if body.stream:  # StreamingResponse itself stops the stream when the client leaves
-            return StreamingResponse(
-                _sse(prepared, engine, store),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return _event_stream(run(prepared, engine, store))
         if not await _unless_client_leaves(_complete(prepared, engine, store), request):
             logger.info("response %s: the client left; generation stopped", prepared.response.id)
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         return JSONResponse(prepared.response.dump())
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
-    async def get_response(response_id: str):
-        stored = store.get(response_id)
-        if stored is None:
-            raise not_found(f"Response with id '{response_id}' not found.", "response_id")
-        return JSONResponse(stored)
+    async def get_response(
+        response_id: str, stream: bool = False, starting_after: Annotated[int, Query(ge=-1)] = -1
+    ):
+        return _get_response(runs, store, response_id, stream, starting_after)
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject,
+              responses=_ERRORS)  # fmt: skip
+    async def cancel_response(response_id: str):
+        background = runs.get(response_id)
+        if background is None:
+            _stored_or_404(store, response_id)
+            raise bad_request("Only background responses can be cancelled.", "response_id")
+        return JSONResponse(await runs.cancel(background))
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
     async def delete_response(response_id: str) -> DeletedResponse:
@@ -162,12 +175,43 @@ async def _unless_client_leaves(work: Coroutine[Any, Any, None], request: Reques
     return True
 
 
-async def _sse(
-    prepared: Prepared, engine: EngineClient, store: ResponseStore
-) -> AsyncIterator[str]:
+def _event_stream(source: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    return StreamingResponse(
+        _sse(source),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _sse(source: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     """``event: <type>`` + ``data: <json>`` + a blank line per event; no [DONE]."""
-    async for event in run(prepared, engine, store):
+    async for event in source:
         yield f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+def _get_response(
+    runs: BackgroundRuns, store: ResponseStore, response_id: str, stream: bool, after: int
+) -> Response:
+    """A response as it stands (a running background one's live object), or with ``stream``
+    a background response's events after ``after``, then the live ones."""
+    background = runs.get(response_id)
+    if stream:
+        if background is None:
+            _stored_or_404(store, response_id)
+            message = ("Only a background response's events can be streamed again (and only "
+                       "by the server process that ran it).")  # fmt: skip
+            raise bad_request(message, "stream")
+        return _event_stream(background.follow(after))
+    if background is not None and not background.done:
+        return JSONResponse(background.snapshot())
+    return JSONResponse(_stored_or_404(store, response_id))
+
+
+def _stored_or_404(store: ResponseStore, response_id: str) -> dict[str, Any]:
+    stored = store.get(response_id)
+    if stored is None:
+        raise not_found(f"Response with id '{response_id}' not found.", "response_id")
+    return stored
 
 
 __all__ = ["create_app"]

@@ -180,6 +180,12 @@ def finish(state: StreamState) -> list[Event]:
     return [*events, state.event(terminal, response=state.response.dump())]
 
 
+def cancel(state: StreamState) -> list[Event]:
+    """A cancelled background response: the item cut off mid-way closes as incomplete, and no
+    terminal event follows (the stream ends; the object's status says ``cancelled``)."""
+    return _close(state, "incomplete")
+
+
 def _where(item: OpenItem) -> dict[str, Any]:
     return {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
 

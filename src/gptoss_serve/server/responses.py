@@ -136,9 +136,9 @@ def prepare(
 
 
 def _check_unsupported(request: CreateResponseRequest) -> None:
-    if request.background:
-        raise bad_request("background responses are not supported by this server.", "background",
-                          "unsupported_parameter")  # fmt: skip
+    if request.background and not request.store:
+        raise bad_request("Background responses must be stored: background requires store=true.",
+                          "background")  # fmt: skip
     if request.top_logprobs:
         raise bad_request("top_logprobs is not supported by this server yet.", "top_logprobs",
                           "unsupported_parameter")  # fmt: skip
@@ -268,7 +268,7 @@ async def run(
         total_tokens=len(prepared.prompt_ids) + num_output,
     )
     final_events = events.finish(state)
-    _store(prepared, store)
+    store_response(prepared, store)
     for event in final_events:
         yield event
 
@@ -281,7 +281,8 @@ def _conclude(prepared: Prepared, last_token: int | None) -> None:
         prepared.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
 
 
-def _store(prepared: Prepared, store: ResponseStore) -> None:
+def store_response(prepared: Prepared, store: ResponseStore) -> None:
+    """The response, its input items and its conversation, if the request asked to store."""
     if not prepared.response.store:
         return
     response = prepared.response.dump()
