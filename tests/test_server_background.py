@@ -110,6 +110,8 @@ def test_cancel_stops_a_background_response() -> None:
             "GET", f"{url}/v1/responses/{created.id}", params={"stream": "true"}
         ) as response:
             replay = _events(response)
+        metrics = httpx.get(f"{url}/metrics").text
+    assert 'gptoss_requests_total{status="cancelled"} 1.0' in metrics
     assert cancelled.status == again.status == stored.status == "cancelled"
     assert engine.aborted == [created.id]
     assert stored.output and stored.output[0].status == "incomplete"  # cut off mid-way

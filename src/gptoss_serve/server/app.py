@@ -18,6 +18,8 @@ from gptoss_serve.engine.client import EngineClient
 from gptoss_serve.server import constraints
 from gptoss_serve.server.background import BackgroundRuns
 from gptoss_serve.server.errors import bad_request, install_error_handlers, not_found
+from gptoss_serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gptoss_serve.server.metrics import ServerMetrics
 from gptoss_serve.server.objects import (
     DeletedResponse,
     ErrorResponse,
@@ -52,7 +54,8 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
         await engine.close()
         store.close()
 
-    runs = BackgroundRuns(engine, store)
+    metrics = ServerMetrics()
+    runs = BackgroundRuns(engine, store, metrics)
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -67,8 +70,8 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
                 return _event_stream(background.follow())
             return JSONResponse(background.snapshot())
         if body.stream:  # StreamingResponse itself stops the stream when the client leaves
-            return _event_stream(run(prepared, engine, store))
-        if not await _unless_client_leaves(_complete(prepared, engine, store), request):
+            return _event_stream(run(prepared, engine, store, metrics))
+        if not await _unless_client_leaves(_complete(prepared, engine, store, metrics), request):
             logger.info("response %s: the client left; generation stopped", prepared.response.id)
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         return JSONResponse(prepared.response.dump())
@@ -133,6 +136,10 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             raise not_found(f"The model '{model_id}' does not exist.", "model_id")
         return model
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
     @app.get("/health")
     @app.get("/healthz")
     async def health() -> dict[str, str]:
@@ -141,9 +148,11 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     return app
 
 
-async def _complete(prepared: Prepared, engine: EngineClient, store: ResponseStore) -> None:
+async def _complete(
+    prepared: Prepared, engine: EngineClient, store: ResponseStore, metrics: ServerMetrics
+) -> None:
     """A non-streaming response, generated to its end (``prepared.response`` holds it)."""
-    async for _ in run(prepared, engine, store):
+    async for _ in run(prepared, engine, store, metrics):
         pass
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from gptoss_serve.engine.client import EngineClient
 from gptoss_serve.server import events
+from gptoss_serve.server.metrics import ServerMetrics
 from gptoss_serve.server.objects import ResponseError
 from gptoss_serve.server.responses import Prepared, run, store_response
 from gptoss_serve.server.store import ResponseStore
@@ -63,9 +64,13 @@ class BackgroundRun:
 class BackgroundRuns:
     """The process's background runs by response id (running, and the last ``keep`` ended)."""
 
-    def __init__(self, engine: EngineClient, store: ResponseStore, keep: int = 64) -> None:
+    def __init__(
+        self, engine: EngineClient, store: ResponseStore, metrics: ServerMetrics | None = None,
+        keep: int = 64,
+    ) -> None:  # fmt: skip
         self._engine = engine
         self._store = store
+        self._metrics = metrics
         self._keep = keep
         self._runs: collections.OrderedDict[str, BackgroundRun] = collections.OrderedDict()
 
@@ -99,7 +104,7 @@ class BackgroundRuns:
         prepared = background.prepared
         prepared.response.status = "in_progress"
         try:
-            async for event in run(prepared, self._engine, self._store):
+            async for event in run(prepared, self._engine, self._store, self._metrics):
                 await background._add([event])
         except asyncio.CancelledError:
             prepared.response.status = "cancelled"

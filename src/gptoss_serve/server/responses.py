@@ -33,6 +33,7 @@ from gptoss_serve.server.conversation import (
     output_to_items,
 )
 from gptoss_serve.server.errors import APIError, bad_request
+from gptoss_serve.server.metrics import RequestTimer, ServerMetrics
 from gptoss_serve.server.objects import (
     IncompleteDetails,
     ResponseError,
@@ -227,9 +228,26 @@ def _fit_context(
 
 
 async def run(
-    prepared: Prepared, engine: EngineClient, store: ResponseStore
+    prepared: Prepared,
+    engine: EngineClient,
+    store: ResponseStore,
+    metrics: ServerMetrics | None = None,
 ) -> AsyncIterator[dict]:
-    """Generate and yield the events; the final object is ``prepared.response``."""
+    """Generate and yield the events; the final object is ``prepared.response``. ``metrics``
+    (the app's) gets the generation's tokens and latencies; one that does not reach its end
+    (a client that left, a cancel) counts as ``cancelled``."""
+    timer = RequestTimer(metrics)
+    try:
+        async for event in _run(prepared, engine, store, timer):
+            yield event
+    finally:
+        if not timer.ended:
+            timer.end("cancelled", len(prepared.prompt_ids), 0)
+
+
+async def _run(
+    prepared: Prepared, engine: EngineClient, store: ResponseStore, timer: RequestTimer
+) -> AsyncIterator[dict]:
     state = prepared.state
     for event in events.start(state):
         yield event
@@ -241,6 +259,7 @@ async def run(
             prepared.response.id, prepared.prompt_ids, prepared.params
         ):
             num_output += 1
+            timer.token()
             last_token = token
             # A token is reasoning if it belongs to an analysis message: its header, its text
             # or the <|end|> that closes it (after which the channel reads None again).
@@ -260,15 +279,17 @@ async def run(
     if parser.framing_error:
         logger.warning("response %s: model broke Harmony framing: %s",
                        prepared.response.id, parser.framing_error)  # fmt: skip
+    cached = engine.cached_tokens(prepared.response.id)
     prepared.response.usage = Usage(
         input_tokens=len(prepared.prompt_ids),
-        input_tokens_details={"cached_tokens": engine.cached_tokens(prepared.response.id)},
+        input_tokens_details={"cached_tokens": cached},
         output_tokens=num_output,
         output_tokens_details={"reasoning_tokens": num_reasoning},
         total_tokens=len(prepared.prompt_ids) + num_output,
     )
     final_events = events.finish(state)
     store_response(prepared, store)
+    timer.end(prepared.response.status, len(prepared.prompt_ids), cached)
     for event in final_events:
         yield event
 

@@ -1,0 +1,96 @@
+"""The server's Prometheus metrics (``GET /metrics``): requests, tokens and their latencies.
+
+One registry per app (tests build many apps in one process). ``RequestTimer`` follows one
+generation: ``run`` in responses.py starts it, marks each output token and ends it with the
+response's status; a generation cut off by a disconnect or a cancel ends as ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds: from a few ms (a cached short prompt) to minutes (a long prefill in a busy queue).
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "gptoss_requests", "Generations finished, by the response's status.", ["status"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.running = Gauge(
+            "gptoss_requests_running", "Generations in progress.", registry=self.registry
+        )
+        self.prompt_tokens = Counter(
+            "gptoss_prompt_tokens", "Prompt tokens of finished generations.",
+            registry=self.registry,
+        )  # fmt: skip
+        self.cached_tokens = Counter(
+            "gptoss_prompt_tokens_cached", "Prompt tokens found in the prefix cache.",
+            registry=self.registry,
+        )  # fmt: skip
+        self.output_tokens = Counter(
+            "gptoss_output_tokens", "Generated tokens (reasoning included).",
+            registry=self.registry,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "gptoss_time_to_first_token_seconds", "From the start of generation to a first token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "gptoss_time_per_output_token_seconds",
+            "Mean time between a generation's output tokens after the first.",
+            buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "gptoss_request_duration_seconds", "From the start of generation to its end.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class RequestTimer:
+    """One generation's clock and counts (``metrics`` None: nothing is recorded)."""
+
+    metrics: ServerMetrics | None
+    started: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    num_tokens: int = 0
+    ended: bool = False
+
+    def __post_init__(self) -> None:
+        if self.metrics is not None:
+            self.metrics.running.inc()
+
+    def token(self) -> None:
+        self.num_tokens += 1
+        if self.first_token is None:
+            self.first_token = time.monotonic()
+
+    def end(self, status: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.ended = True
+        metrics = self.metrics
+        if metrics is None:
+            return
+        now = time.monotonic()
+        metrics.running.dec()
+        metrics.requests.labels(status=status).inc()
+        metrics.prompt_tokens.inc(prompt_tokens)
+        metrics.cached_tokens.inc(cached_tokens)
+        metrics.output_tokens.inc(self.num_tokens)
+        metrics.latency.observe(now - self.started)
+        if self.first_token is not None:
+            metrics.ttft.observe(self.first_token - self.started)
+            if self.num_tokens > 1:
+                metrics.tpot.observe((now - self.first_token) / (self.num_tokens - 1))

@@ -1,0 +1,50 @@
+"""GET /metrics: Prometheus text with the generations' statuses, tokens and latencies."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from gptoss_serve.config import ServerConfig
+from gptoss_serve.server.app import create_app
+from gptoss_serve.server.store import ResponseStore
+from server_helpers import ScriptedEngine, harmony_tokens
+
+REPLY = (
+    "<|channel|>analysis<|message|>Thinking.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello!<|return|>"
+)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_statuses_tokens_and_latencies() -> None:
+    engine = ScriptedEngine([harmony_tokens(REPLY)])
+    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
+    with TestClient(app) as client:
+        body = {"model": "demo", "input": "Hi"}
+        plain = client.post("/v1/responses", json=body).json()
+        cut = client.post("/v1/responses", json={**body, "max_output_tokens": 3}).json()
+        with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as stream:
+            assert sum(1 for line in stream.iter_lines() if line.startswith("data:")) > 4
+        client.post("/v1/responses", json={"model": "nope", "input": "Hi"})  # a 404: no run
+        response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = _samples(response.text)
+    assert samples[("gptoss_requests_total", (("status", "completed"),))] == 2
+    assert samples[("gptoss_requests_total", (("status", "incomplete"),))] == 1
+    assert samples[("gptoss_requests_running", ())] == 0
+    output = 2 * plain["usage"]["output_tokens"] + cut["usage"]["output_tokens"]
+    assert samples[("gptoss_output_tokens_total", ())] == output
+    prompts = 2 * plain["usage"]["input_tokens"] + cut["usage"]["input_tokens"]
+    assert samples[("gptoss_prompt_tokens_total", ())] == prompts
+    assert samples[("gptoss_time_to_first_token_seconds_count", ())] == 3
+    assert samples[("gptoss_time_per_output_token_seconds_count", ())] == 3
+    assert samples[("gptoss_request_duration_seconds_count", ())] == 3
