@@ -118,6 +118,19 @@ def test_cancel_stops_a_background_response() -> None:
     assert replay[-1]["type"] == "response.output_item.done"  # no terminal event after cancel
 
 
+def test_continuing_a_running_background_response_is_a_400_until_it_ends() -> None:
+    with _serving(REPLY, 0.05) as (url, client, _engine):
+        created = client.responses.create(model="demo", input="Hi", background=True)
+        early = httpx.post(f"{url}/v1/responses", json={
+            "model": "demo", "input": "And then?", "previous_response_id": created.id})  # fmt: skip
+        _until(lambda: client.responses.retrieve(created.id).status == "completed")
+        later = client.responses.create(model="demo", input="And then?",
+                                        previous_response_id=created.id)  # fmt: skip
+    assert early.status_code == 400, early.text
+    assert early.json()["error"]["param"] == "previous_response_id"
+    assert later.status == "completed"
+
+
 @pytest.mark.parametrize(
     ("method", "path", "params", "status", "param"),
     [

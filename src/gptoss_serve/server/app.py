@@ -63,6 +63,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
 
     @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, **_SSE_DOC})
     async def create_response(body: CreateResponseRequest, request: Request):
+        _check_previous_ended(runs, body.previous_response_id)
         prepared = prepare(body, engine, store, config)
         if body.background:  # runs on without this request; its events are kept
             background = runs.start(prepared)
@@ -214,6 +215,15 @@ def _get_response(
     if background is not None and not background.done:
         return JSONResponse(background.snapshot())
     return JSONResponse(_stored_or_404(store, response_id))
+
+
+def _check_previous_ended(runs: BackgroundRuns, previous_id: str | None) -> None:
+    """A background response still running has no conversation to continue yet."""
+    background = None if previous_id is None else runs.get(previous_id)
+    if background is not None and not background.done:
+        raise bad_request(f"Previous response '{previous_id}' is a background response still "
+                          f"{background.prepared.response.status}; continue from it once it "
+                          "has ended.", "previous_response_id")  # fmt: skip
 
 
 def _stored_or_404(store: ResponseStore, response_id: str) -> dict[str, Any]:
