@@ -40,3 +40,23 @@ def test_every_warm_up_step_runs(
     assert max(len(step.scheduled) for step in steps) <= max_num_seqs
     assert any(step.num_decodes for step in steps)
     assert max(step.num_tokens for step in steps) == budget
+
+
+def test_mixed_shapes_leave_room_for_the_prefill() -> None:
+    # The server's defaults: every decode-attention tile row (<= 16, <= 32, more) meets every
+    # context from 64 to 64k, and no step holds more than max_num_seqs requests.
+    shapes = startup.warm_up_mixed_shapes(SchedulerConfig(max_num_seqs=64))
+    assert {batch for batch, _ in shapes} == {1, 4, 16, 32, 63}
+    assert {context for _, context in shapes} == {1 << i for i in range(6, 17)}
+    # A step of one request, or a budget that holds only the chunk: no mixed steps at all.
+    assert startup.warm_up_mixed_shapes(SchedulerConfig(max_num_seqs=1)) == []
+    tight = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=20, max_model_len=1024)
+    assert {batch for batch, _ in startup.warm_up_mixed_shapes(tight)} == {1, 4}
+    assert max(context for _, context in startup.warm_up_mixed_shapes(tight)) == 512
+
+
+def test_prefill_sizes_meet_the_halfway_rows() -> None:
+    sizes = startup.warm_up_prefill_sizes(8192)
+    assert {16, 24, 256, 384, 1024, 1536, 6144, 8192} <= set(sizes)
+    assert max(sizes) == 8192 and sizes == sorted(set(sizes))
+    assert startup.warm_up_prefill_sizes(100) == [16, 24, 32, 48, 64, 96, 100]

@@ -177,24 +177,22 @@ def profile_step_memory(weights: ModelWeights, scheduler: SchedulerConfig, ops: 
     return peak
 
 
+# Tokens of the prefill chunk beside the warm-up's decode batches.
+WARM_UP_CHUNK = 16
+
+
 def warm_up(runner: ModelRunner, scheduler: SchedulerConfig, plan: KvCachePlan) -> None:
     """Run the eager step shapes once before serving, so that Triton compiles its variants
     (MoE tile buckets by token count, split counts of the decode attention, prefill over a
     cache) now and not inside the first users' requests. Writes only free KV blocks."""
     started = time.perf_counter()
     num_blocks = min(plan.num_full_blocks, plan.num_sliding_blocks or plan.num_full_blocks)
-    budget = scheduler.max_num_batched_tokens
-    sizes = sorted({*(1 << i for i in range(4, budget.bit_length())), budget})
-    for num_tokens in sizes:
+    for num_tokens in warm_up_prefill_sizes(scheduler.max_num_batched_tokens):
         if cdiv(num_tokens, BLOCK_SIZE) <= num_blocks:
             runner.forward(_dummy_step([], num_tokens))
-    for context in (256, 2048, 16384, 65536):
-        if cdiv(context, BLOCK_SIZE) > num_blocks or context >= scheduler.max_model_len:
-            continue
-        batch = 1
-        while batch < scheduler.max_num_seqs:
-            runner.forward(_dummy_step([context] * batch, 16))
-            batch *= 4
+    for batch, context in warm_up_mixed_shapes(scheduler):
+        if cdiv(context, BLOCK_SIZE) <= num_blocks:
+            runner.forward(_dummy_step([context] * batch, WARM_UP_CHUNK))
     # The sampler at every decode batch size, with and without the nucleus search (top_p 1,
     # the API's default, skips it: another compiled variant).
     vocab = runner.weights.config.vocab_size
@@ -205,6 +203,28 @@ def warm_up(runner: ModelRunner, scheduler: SchedulerConfig, plan: KvCachePlan) 
             runner.sample(logits, batch, None)
     torch.cuda.synchronize(runner.device)
     logger.info("warm-up of the eager step shapes: %.1fs", time.perf_counter() - started)
+
+
+def warm_up_prefill_sizes(budget: int) -> list[int]:
+    """Prefill-only step sizes: powers of two from 16 and the halfway sizes between them (the
+    MoE's tile rows by token count, 128 / 384 / 1024 ..., and its constexprs by powers of two
+    of the pairs all meet one), and the whole token budget."""
+    powers = [1 << i for i in range(4, budget.bit_length())]
+    halfway = [p + p // 2 for p in powers if p + p // 2 <= budget]
+    return sorted({*powers, *halfway, budget})
+
+
+def warm_up_mixed_shapes(scheduler: SchedulerConfig) -> list[tuple[int, int]]:
+    """(decode batch, context) of the eager steps that hold decodes beside a prefill chunk:
+    their attention is sized by the real context, so every decode-attention tile row (by
+    batch) meets every split count from 1 (short contexts) to the most. The batch leaves room
+    in the step for the prefill's request (max_num_seqs) and its chunk (the token budget)."""
+    most = min(scheduler.max_num_seqs - 1, scheduler.max_num_batched_tokens - WARM_UP_CHUNK)
+    if most < 1:
+        return []
+    batches = sorted({min(b, most) for b in (1, 4, 16, 32, 64)})
+    contexts = [c for c in (1 << i for i in range(6, 17)) if c < scheduler.max_model_len]
+    return [(batch, context) for context in contexts for batch in batches]
 
 
 def _dummy_step(decode_lens: list[int], num_prefill_tokens: int) -> SchedulerOutput:
