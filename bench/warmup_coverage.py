@@ -56,9 +56,7 @@ def _params(rng: random.Random, grammar: str | None, max_tokens: int) -> Samplin
     )  # fmt: skip
 
 
-def run_wave(
-    make_core, rng: random.Random, vocab: int, budget: int, grammar: str | None
-) -> int:
+def run_wave(make_core, rng: random.Random, vocab: int, budget: int, grammar: str | None) -> int:
     """One wave: a first batch, then more requests every few steps; returns its steps."""
     core = make_core()
     ordinary = min(vocab, 200_000)  # the real vocabulary's ordinary tokens
@@ -116,15 +114,15 @@ def main() -> int:
         seconds = round(time.perf_counter() - began, 2)
         waves.append({"wave": wave, "steps": steps, "seconds": seconds,
                       "late_compiles": len(late.reprs) - before})  # fmt: skip
-        logger.info("wave %d: %s", wave, waves[-1])
+        logger.info("wave %d: %s", wave, waves[-1])  # written each wave: a cut run keeps them
+        write_results(args.out, model=args.model, seed=args.seed, engine_start_s=round(start_s, 1),
+                      late_compiles=late.reprs, waves=waves)  # fmt: skip
     sys.stdout.write(f"\n{'model':<16}{'engine start s':>16}{'waves':>7}{'steps':>7}"
                      f"{'late compiles':>15}\n")  # fmt: skip
     sys.stdout.write(f"{args.model:<16}{start_s:>16.1f}{len(waves):>7}"
                      f"{sum(w['steps'] for w in waves):>7}{len(late.reprs):>15}\n")  # fmt: skip
     for name in late.reprs:
         sys.stdout.write(f"  late: {name}\n")
-    write_results(args.out, model=args.model, seed=args.seed, engine_start_s=round(start_s, 1),
-                  late_compiles=late.reprs, waves=waves)  # fmt: skip
     return 0
 
 
