@@ -1,6 +1,6 @@
 """The asynchronous engine the server talks to (an ``EngineClient``): the engine core runs on
 one worker thread, step after step while any request is unfinished; the event loop only
-queues requests and receives tokens (``call_soon_threadsafe``).
+queues requests and receives tokens (``call_soon_threadsafe``, once a step for all of them).
 
 A request that can never run, or whose grammar fails, ends with EngineError; a step that
 raises fails every request in flight and the engine goes on with new ones.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.engine.engine import EngineCore
-from gptoss_serve.engine.token_stream import DONE, TokenStream
+from gptoss_serve.engine.token_stream import DONE, TokenStream, post_all
 
 logger = logging.getLogger(__name__)
 
@@ -120,19 +120,23 @@ class AsyncEngine:
             self._core.close()
             self._core = self._make_core()
             return
+        posts: list[tuple[_Stream, object]] = []  # delivered together: one loop wake-up
         for output in result.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             stream.num_cached_tokens = max(stream.num_cached_tokens, output.num_cached_tokens)
-            for token in output.new_token_ids:
-                stream.post(token)
+            posts.extend((stream, token) for token in output.new_token_ids)
             if output.finish_reason is not None:
-                self._finish(self._streams.pop(output.request_id), DONE)
+                del self._streams[output.request_id]
+                stream.is_done = True
+                posts.append((stream, DONE))
         for request_id, reason in result.failed.items():
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                self._finish(stream, EngineError(reason))
+                stream.is_done = True
+                posts.append((stream, EngineError(reason)))
+        post_all(posts)
 
     def _finish(self, stream: _Stream, item: object) -> None:
         stream.is_done = True

@@ -2,13 +2,15 @@
 
 The worker posts token ids, then ``DONE`` or an exception, with ``call_soon_threadsafe``; the
 event loop reads them with ``tokens()``. Both engines (cpu_engine.py, async_engine.py) use it.
+A batched engine posts a whole step's items with ``post_all``: one wake-up of the event loop a
+step rather than one a token (each is a write to the loop's self-pipe and a pass of the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 from gptoss_serve.config import SamplingParams
@@ -46,3 +48,19 @@ class TokenStream:
             if isinstance(item, BaseException):
                 raise EngineError(f"generation failed: {item}") from item
             yield item
+
+
+def post_all(posts: Iterable[tuple[TokenStream, object]]) -> None:
+    """From the worker thread: each (stream, item) as ``TokenStream.post``, in order, with one
+    ``call_soon_threadsafe`` per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    for stream, item in posts:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -159,8 +159,10 @@ class MessageSpec:
     content_type: str | None = None
 
 
+@functools.cache
 def special_token_id(text: str) -> int:
-    """The id of one special token such as ``<|end|>``."""
+    """The id of one special token such as ``<|end|>`` (cached: each response's stream parser
+    asks for six, and an encode is ~0.25 ms)."""
     ids = encoding().encode(text, allowed_special="all")
     if len(ids) != 1 or not encoding().is_special_token(ids[0]):
         raise ValueError(f"{text!r} is not a special token")

@@ -193,10 +193,14 @@ def _event_stream(source: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     )
 
 
+# One encoder for every event (json.dumps with separators builds a new one a call: 6 -> 3 us).
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 async def _sse(source: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     """``event: <type>`` + ``data: <json>`` + a blank line per event; no [DONE]."""
     async for event in source:
-        yield f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+        yield f"event: {event['type']}\ndata: {_JSON.encode(event)}\n\n"
 
 
 def _get_response(
