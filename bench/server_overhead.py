@@ -15,6 +15,7 @@ served time per output token should be the step; where it is more, the server is
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import uvicorn
 
+from gptoss_serve.benchmarks import report
 from gptoss_serve.config import SamplingParams, ServerConfig
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.client import EngineInfo
@@ -169,7 +171,9 @@ def main() -> int:
             f"{s['tpot_ms']['p99']:>9.2f} {s['ttft_ms']['p50']:>9.1f} {per_token:>20.1f}\n"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"cpus": os.cpu_count(), "loop": args.loop, "http": args.http, "rows": rows}
+    result = {"commit": os.environ.get("BENCH_COMMIT") or report.git_commit(),
+              "date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
+              "loop": args.loop, "http": args.http, "rows": rows}  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
