@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.constrain.grammar import ANY_OBJECT
-from gptoss_serve.server import constraints
+from gptoss_serve.server import constraints, protocol
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.constraints import constraint_spec, reasoning_budget
 from gptoss_serve.server.protocol import CreateResponseRequest
@@ -120,6 +120,41 @@ def test_unsupported_or_invalid_schemas_are_a_400_naming_them(fields: dict, para
         assert error["type"] == "invalid_request_error" and "JSON Schema" in error["message"]
         assert not engine.prompts  # nothing ran
         assert client.get("/health").status_code == 200
+
+
+def test_a_schema_is_checked_once_however_often_it_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Agents send the same tools with every request: the metaschema check (~2 ms) is cached by
+    # the schema's canonical JSON, and a bad schema is still refused each time.
+    checked: list[Any] = []
+    real = protocol.validator_for
+
+    def counting(schema, default):
+        checked.append(schema)
+        return real(schema, default=default)
+
+    monkeypatch.setattr(protocol, "validator_for", counting)
+    protocol._schema_problem.cache_clear()  # whatever earlier tests checked
+    parameters = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 7}}}
+    reordered = {"properties": {"n": {"minimum": 7, "type": "integer"}}, "type": "object"}
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": "seven"}}}
+    for schema in (parameters, reordered, parameters):
+        CreateResponseRequest.model_validate(
+            {"model": "demo", "input": "Hi", "tools": [_tool("a", parameters=schema)]}
+        )
+    assert len(checked) == 1  # key order does not make another schema
+    engine = ScriptedEngine([harmony_tokens(REASONING_THEN_FINAL)])
+    with _client(engine) as client:
+        for _ in range(2):
+            response = client.post("/v1/responses", json={
+                "model": "demo", "input": "Hi", "tools": [_tool("a", parameters=bad)],
+            })  # fmt: skip
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "tools[0].parameters"
+            assert error["code"] == "invalid_json_schema" and "minimum" in error["message"]
+    assert len(checked) == 2
 
 
 def test_a_non_strict_tool_under_auto_is_not_schema_checked() -> None:
