@@ -3,12 +3,14 @@
 The real app (`server.app.create_app`) and the real AsyncEngine (its worker thread, the
 tokens' way to the event loop) over a stand-in engine core whose step takes ``--step-ms``
 milliseconds (0: no wait), each running request getting one token a step, from a Harmony
-reply of analysis text then a final answer. The load
+reply of analysis text then a final answer; ``--host-ms`` adds the engine thread's own Python
+work a step (GIL held), overlapped with the device's step as async scheduling does. The load
 is `gptoss-serve bench-serve` in a second process (streaming, so every token is an SSE event
 the server builds, serialises and sends). At a step that a GPU reaches (batch 64: ~19.5 ms) the
 served time per output token should be the step; where it is more, the server is the limit.
+The server's CPU time counts this process's threads (with --host-ms, the busy work too).
 
-    cd bench && python3 server_overhead.py [--step-ms 0 19.5] [--concurrency 64]
+    cd bench && python3 server_overhead.py [--step-ms 0 19.5] [--host-ms 8] [--concurrency 64]
                                            [--output-len 256] [--out results/server_overhead.json]
 """
 
@@ -65,9 +67,11 @@ class PacedCore:
     """An EngineCore stand-in: each step takes ``step_s`` (a sleep, the GIL free, as a step
     waiting on the GPU is) and gives every running request its next token of the reply."""
 
-    def __init__(self, step_s: float, script: list[int]) -> None:
+    def __init__(self, step_s: float, script: list[int], host_s: float = 0.0) -> None:
         self.step_s = step_s
+        self.host_s = host_s
         self.script = script
+        self._device_done = 0.0
         self._running: dict[str, tuple[SamplingParams, int]] = {}
         self.num_steps = 0
 
@@ -83,7 +87,11 @@ class PacedCore:
         return bool(self._running)
 
     def step(self) -> StepResult:
-        time.sleep(self.step_s)
+        # Async scheduling: the host's work for the next step (Python, the GIL held) runs
+        # while the device still runs this one; then the step's tokens are waited for.
+        _busy(self.host_s)
+        time.sleep(max(0.0, self._device_done - time.perf_counter()))
+        self._device_done = time.perf_counter() + self.step_s  # the next step "launched"
         self.num_steps += 1
         outputs = []
         for request_id, (params, done) in list(self._running.items()):
@@ -104,10 +112,18 @@ class PacedCore:
         self._running.clear()
 
 
+def _busy(seconds: float) -> None:
+    """Python work for ``seconds`` of wall time (the GIL held but for the interpreter's
+    switches, as the engine's scheduling and input preparation hold it)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(200))
+
+
 def serve(
-    step_ms: float, num_tokens: int, port: int, loop: str, http: str
+    step_ms: float, num_tokens: int, port: int, *, loop: str, http: str, host_ms: float
 ) -> tuple[uvicorn.Server, PacedCore]:
-    core = PacedCore(step_ms / 1000, reply_tokens(num_tokens))
+    core = PacedCore(step_ms / 1000, reply_tokens(num_tokens), host_ms / 1000)
     info = EngineInfo("paced", 131072, 201088, created_at=int(time.time()))
     engine = AsyncEngine(lambda: core, info)
     app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
@@ -127,6 +143,12 @@ def serve(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 19.5])
+    parser.add_argument(
+        "--host-ms",
+        type=float,
+        default=0.0,
+        help="Python work of the engine's thread a step, beside the device's",
+    )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--num-requests", type=int, default=128)
@@ -143,7 +165,9 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for step_ms in args.step_ms:
-        server, core = serve(step_ms, args.output_len + 16, args.port, args.loop, args.http)
+        server, core = serve(
+            step_ms, args.output_len + 16, args.port, args.loop, args.http, args.host_ms
+        )
         summary_path = args.out.with_name(f"_server_overhead_{step_ms}.json")
         started = time.process_time()
         command = [
@@ -174,7 +198,8 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"commit": os.environ.get("BENCH_COMMIT") or report.git_commit(),
               "date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
-              "loop": args.loop, "http": args.http, "rows": rows}  # fmt: skip
+              "loop": args.loop, "http": args.http, "host_ms": args.host_ms,
+              "rows": rows}  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
