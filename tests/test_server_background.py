@@ -151,3 +151,33 @@ def test_background_only_calls_refuse_other_responses(
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"]
+
+
+def test_deleting_a_background_response_stops_it_and_forgets_its_events() -> None:
+    with _serving(LONG, 0.01) as (url, client, engine):
+        running = client.responses.create(model="demo", input="Hi", background=True)
+        _until(lambda: bool(engine.prompts))
+        deleted = httpx.delete(f"{url}/v1/responses/{running.id}")
+        time.sleep(0.2)  # a run left going would store the object again as it ends
+        after = [
+            httpx.get(f"{url}/v1/responses/{running.id}"),
+            httpx.get(f"{url}/v1/responses/{running.id}", params={"stream": "true"}),
+            httpx.post(f"{url}/v1/responses/{running.id}/cancel"),
+            httpx.delete(f"{url}/v1/responses/{running.id}"),
+        ]
+    assert deleted.status_code == 200, deleted.text
+    assert deleted.json() == {"id": running.id, "object": "response", "deleted": True}
+    assert engine.aborted == [running.id]  # the generation stopped
+    for response in after:
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["param"] == "response_id"
+
+
+def test_deleting_an_ended_background_response_forgets_its_events() -> None:
+    with _serving(REPLY, 0.0) as (url, client, _engine):
+        created = client.responses.create(model="demo", input="Hi", background=True)
+        _until(lambda: client.responses.retrieve(created.id).status == "completed")
+        assert httpx.delete(f"{url}/v1/responses/{created.id}").status_code == 200
+        replay = httpx.get(f"{url}/v1/responses/{created.id}", params={"stream": "true"})
+        cancel = httpx.post(f"{url}/v1/responses/{created.id}/cancel")
+    assert replay.status_code == cancel.status_code == 404

@@ -94,6 +94,9 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
     async def delete_response(response_id: str) -> DeletedResponse:
+        # A background run still going would store the object again when it ends, and its
+        # kept events would still stream: stopped and forgotten first.
+        await runs.forget(response_id)
         if not store.delete(response_id):
             raise not_found(f"Response with id '{response_id}' not found.", "response_id")
         return DeletedResponse(id=response_id)

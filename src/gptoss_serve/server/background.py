@@ -3,9 +3,10 @@
 The create call answers at once (``queued``), or streams; either way the generation runs in
 a task of the server's event loop, and every event it makes is kept, so that ``GET
 /v1/responses/{id}?stream=true&starting_after=N`` replays the events after N and follows the
-live ones, a plain ``GET`` sees the object as it grows, and ``POST .../cancel`` stops it
-(status ``cancelled``, stored). Finished runs stay replayable until ``keep`` newer ones push
-them out (in this process only: a restart keeps the stored objects, not their events).
+live ones, a plain ``GET`` sees the object as it grows, ``POST .../cancel`` stops it (status
+``cancelled``, stored), and ``DELETE`` stops it and forgets its events with the object.
+Finished runs stay replayable until ``keep`` newer ones push them out (in this process only:
+a restart keeps the stored objects, not their events).
 """
 
 from __future__ import annotations
@@ -94,6 +95,14 @@ class BackgroundRuns:
             with contextlib.suppress(asyncio.CancelledError):
                 await background.task
         return background.snapshot()
+
+    async def forget(self, response_id: str) -> None:
+        """A deleted response: stop its run if it still goes (stored as cancelled, which the
+        caller then deletes) and drop its events, so that nothing serves it any more."""
+        background = self._runs.get(response_id)
+        if background is not None:
+            await self.cancel(background)
+            self._runs.pop(response_id, None)
 
     async def close(self) -> None:
         """Shutdown: cancel what still runs (stored as cancelled)."""
