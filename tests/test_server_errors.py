@@ -504,3 +504,37 @@ def test_engine_failure_while_streaming_ends_with_response_failed(
         assert "boom" in failed["error"]["message"]
         assert not any(e["type"] in ("response.completed", "response.incomplete") for e in events)
         assert_healthy(client)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            b'{"model": "demo", "input": "Hi", "tools": [{"type": "function", "name": "f", '
+            b'"parameters": {"type": "object", "properties": {"a": {"type": "number", '
+            b'"minimum": Infinity}}}}]}',
+            "tools[0].parameters.properties.a.minimum",
+        ),
+        (
+            b'{"model": "demo", "input": "Hi", "text": {"format": {"type": "json_schema", '
+            b'"name": "x", "schema": {"type": "number", "maximum": NaN}}}}',
+            "text.format.schema.maximum",
+        ),
+        (
+            b'{"model": "demo", "input": "Hi", "tools": [{"type": "function", "name": "f", '
+            b'"parameters": {"type": "object", "default": {"x": -Infinity}}}]}',
+            "tools[0].parameters.default.x",
+        ),
+    ],
+)
+def test_nan_or_infinity_is_a_400_naming_the_field(
+    client: TestClient, body: bytes, param: str
+) -> None:
+    """The body parser takes NaN and Infinity, which are not JSON: a tool schema holding one
+    could not be rendered into the prompt (it was a 500)."""
+    response = client.post(
+        "/v1/responses", content=body, headers={"content-type": "application/json"}
+    )
+    assert_error(response, 400, param)
+    assert "not a valid JSON number" in response.json()["error"]["message"]
+    assert_healthy(client)

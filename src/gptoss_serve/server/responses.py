@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -79,7 +80,7 @@ def prepare(
             f"'{info.model_name}'.", param="model", code="model_not_found",
         )  # fmt: skip
     _check_unsupported(request)
-    _check_text(request.model_dump(by_alias=True, exclude_unset=True))
+    _check_values(request.model_dump(by_alias=True, exclude_unset=True))
     tools = _check_tools(request)
     history = _history(request, store)
     converter = InputConverter(history, store.item)
@@ -154,20 +155,26 @@ def _check_unsupported(request: CreateResponseRequest) -> None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _check_text(value: Any, path: str = "") -> None:
-    """Refuse a request whose strings (at any depth of its JSON) hold a lone surrogate."""
+def _check_values(value: Any, path: str = "") -> None:
+    """Refuse a request whose JSON (at any depth) holds a string with a lone surrogate, or a
+    NaN or infinite number: the body parser takes ``NaN`` and ``Infinity``, but they are not
+    JSON, and a schema holding one cannot be rendered into the prompt."""
     if isinstance(value, str):
         if _SURROGATE.search(value):
             raise bad_request(f"Invalid value for '{path}': the string holds a lone UTF-16 "
                               "surrogate (an unpaired \\ud800-\\udfff escape), which is not "
                               "valid Unicode.", path or None)  # fmt: skip
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise bad_request(f"Invalid value for '{path}': {value} is not a valid JSON number "
+                              "(NaN and Infinity are not JSON).", path or None)  # fmt: skip
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_text(key, path)
-            _check_text(item, f"{path}.{key}" if path else str(key))
+            _check_values(key, path)
+            _check_values(item, f"{path}.{key}" if path else str(key))
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_text(item, f"{path}[{index}]")
+            _check_values(item, f"{path}[{index}]")
 
 
 def _check_tools(request: CreateResponseRequest) -> tuple[FunctionTool, ...]:
