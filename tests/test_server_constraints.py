@@ -210,3 +210,17 @@ def test_startup_builds_the_grammar_tokenizer_and_default_grammar(
     with TestClient(app):
         assert calls == [config]
     real(config)  # compiles (or finds) the default grammar, raising on a bad one
+
+
+def test_a_schema_nothing_can_match_is_a_400_without_the_librarys_state_dump() -> None:
+    engine = ScriptedEngine([harmony_tokens(REASONING_THEN_FINAL)])
+    with _client(engine) as client:
+        response = client.post("/v1/responses", json={
+            "model": "demo", "input": "Hi",
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#"}}},
+        })  # fmt: skip
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "text.format.schema" and error["code"] == "invalid_json_schema"
+    assert "nothing can match it" in error["message"]
+    assert "\n" not in error["message"] and "<state>" not in error["message"]

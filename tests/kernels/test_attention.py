@@ -28,6 +28,7 @@ import pytest
 import torch
 from compare import assert_close, poisoned
 
+from gptoss_serve.kernels import attention
 from gptoss_serve.kernels.attention import (
     DEFAULT_BLOCK_SIZE,
     paged_attention_decode,
@@ -179,6 +180,34 @@ def test_references_match_dense(window: int | None, block_size: int) -> None:
             scale=0.25,
         )
         assert_close(decode[seq : seq + 1], dense, **FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("query_start", "key_start"), [(0, 0), (37, 0), (37, 30)])
+def test_reference_in_query_chunks_equals_all_at_once(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, query_start: int, key_start: int
+) -> None:
+    """A long prompt's reference attention goes in chunks of queries (bounded memory: a 14k
+    prompt on the demo model was killed); each chunk sees only its visible keys, and every
+    query's softmax is its own, so the chunks give what one call gives."""
+    num_tokens, num_heads, num_kv_heads, head_dim = 29, 4, 2, 16
+    num_keys = query_start + num_tokens - key_start
+    q = torch.randn(num_tokens, num_heads, head_dim)
+    k, v = torch.randn(2, num_keys, num_kv_heads, head_dim)
+    sinks = torch.randn(num_heads)
+    args = dict(query_start=query_start, key_start=key_start, window=window, scale=0.25)
+    whole = sink_attention(q, k, v, sinks, **args)
+    calls = []
+    dense = attention._dense_sink_attention
+    monkeypatch.setattr(attention, "_dense_sink_attention",
+                        lambda q, k, *a, **kw: calls.append(q.shape[0] * k.shape[0]) or
+                        dense(q, k, *a, **kw))  # fmt: skip
+    monkeypatch.setattr(attention, "REFERENCE_LOGITS", num_heads * num_keys * 4)  # 4 queries
+    chunked = sink_attention(q, k, v, sinks, **args)
+    assert len(calls) == 8 and max(calls) <= 4 * num_keys
+    if window is not None:  # a chunk reads only the keys its window reaches
+        assert max(calls) <= 4 * (4 + window - 1)
+    assert_close(chunked, whole, max_rel=1e-5, rms_rel=1e-6)
 
 
 @pytest.mark.parametrize("window", [None, 8])

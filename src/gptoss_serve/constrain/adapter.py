@@ -66,7 +66,9 @@ def _compiled(grammar: str) -> llguidance.LLMatcher:
     try:
         Matcher(matcher.deep_copy()).fill_bitmask(np.zeros(num_mask_words(), dtype=np.int32))
     except ConstraintError as error:
-        raise GrammarError(f"nothing can match it ({error})") from error
+        # The library's message here is its matcher's state dump, not a reason: logged only.
+        logger.info("a grammar that allows no first token: %s", error)
+        raise GrammarError("nothing can match it") from error
     return matcher
 
 
