@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,3 +243,22 @@ def test_a_mask_that_allows_nothing_raises_instead_of_hanging() -> None:
     generation.step()
     with pytest.raises(constrain_adapter.ConstraintError):
         generation.step()
+
+
+def test_only_small_grammars_stay_compiled() -> None:
+    # A client's huge schema must not pin its compiled grammar (the cache is by grammar text):
+    # it compiles for each use, and still constrains as a cached one does.
+    constrain_adapter._compiled.cache_clear()
+    huge = build_grammar(ConstraintSpec(response_schema={"enum": [f"v{i}" for i in range(9000)]},
+                                        reasoning_budget=0))  # fmt: skip
+    small = build_grammar(ConstraintSpec(reasoning_budget=64))
+    assert len(huge) > constrain_adapter._CACHED_GRAMMAR_CHARS >= len(small)
+    constrain_adapter.check_grammar(huge)
+    matcher = constrain_adapter.new_matcher(huge)
+    constrain_adapter.new_matcher(small)
+    constrain_adapter.new_matcher(small)
+    info = constrain_adapter._compiled.cache_info()
+    assert info.currsize == 1 and info.hits == 1  # the small one only
+    mask = np.zeros(constrain_adapter.num_mask_words(), dtype=np.int32)
+    matcher.fill_bitmask(mask)
+    assert mask.any()

@@ -224,3 +224,18 @@ def test_a_schema_nothing_can_match_is_a_400_without_the_librarys_state_dump() -
     assert error["param"] == "text.format.schema" and error["code"] == "invalid_json_schema"
     assert "nothing can match it" in error["message"]
     assert "\n" not in error["message"] and "<state>" not in error["message"]
+
+
+def test_only_small_schemas_stay_in_the_check_cache() -> None:
+    protocol._schema_problem.cache_clear()
+    huge = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(3000)}}
+    for _ in range(2):
+        CreateResponseRequest.model_validate(
+            {"model": "demo", "input": "Hi", "tools": [_tool("a", parameters=huge)]}
+        )
+    assert protocol._schema_problem.cache_info().currsize == 0  # checked, not kept
+    bad = {**huge, "required": "field_0"}  # not an array: still refused when not cached
+    with pytest.raises(ValueError, match="not valid JSON Schema"):
+        CreateResponseRequest.model_validate(
+            {"model": "demo", "input": "Hi", "tools": [_tool("a", parameters=bad)]}
+        )

@@ -83,15 +83,24 @@ def _first_line(message: str) -> str:
 
 def check_grammar(grammar: str) -> None:
     """Compile ``grammar`` (or find it compiled); raise GrammarError if it cannot be."""
-    with _lock:
-        _compiled(grammar)
+    _template(grammar)
 
 
 def new_matcher(grammar: str) -> Matcher:
     """A fresh matcher for one request (raises GrammarError for a bad grammar)."""
+    return Matcher(_template(grammar).deep_copy())
+
+
+# Grammars up to this many characters are kept compiled; a larger one (a client's huge
+# schema) is compiled for each use, so the cache holds at most _CACHE_SIZE x 64 KB of text.
+_CACHED_GRAMMAR_CHARS = 1 << 16
+
+
+def _template(grammar: str) -> llguidance.LLMatcher:
     with _lock:
-        template = _compiled(grammar)
-    return Matcher(template.deep_copy())
+        if len(grammar) <= _CACHED_GRAMMAR_CHARS:
+            return _compiled(grammar)
+        return _compiled.__wrapped__(grammar)
 
 
 class Matcher:

@@ -136,7 +136,10 @@ def _check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     none), as the official API checks even where it does not enforce the schema."""
     if schema is None:
         return schema
-    problem = _schema_problem(json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    # A large schema is checked every time rather than kept: the cache holds small ones only.
+    check = _schema_problem if len(key) <= _CACHED_SCHEMA_CHARS else _schema_problem.__wrapped__
+    problem = check(key)
     if problem is not None:  # the code constraints.py gives schemas it cannot compile
         path, message = problem
         raise PydanticCustomError(
@@ -144,6 +147,9 @@ def _check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
             {"path": path, "problem": message},
         )  # fmt: skip
     return schema
+
+
+_CACHED_SCHEMA_CHARS = 1 << 16  # so the cache holds at most 1024 x 64 KB
 
 
 @functools.lru_cache(maxsize=1024)
