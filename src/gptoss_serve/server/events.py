@@ -13,7 +13,7 @@ How Harmony messages map to output items:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gptoss_serve.harmony.conversation import ContentDelta, MessageDone, MessageStarted, ParseEvent
@@ -37,9 +37,15 @@ class OpenItem:
     output_index: int
     item_id: str
     channel: str | None
-    text: str = ""
     name: str = ""
     call_id: str = ""
+    # The text so far, as its deltas: appending to one string copies it every token, which
+    # for a 30k-token reasoning was 0.26 s of the event loop (quadratic in the length).
+    parts: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 @dataclass
@@ -113,7 +119,7 @@ def _delta(state: StreamState, text: str) -> list[Event]:
     item = state.current
     if item is None or not text:
         return []
-    item.text += text
+    item.parts.append(text)
     if item.kind == "function_call":
         return [
             state.event(
