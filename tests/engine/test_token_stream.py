@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from gptoss_serve.config import SamplingParams
-from gptoss_serve.engine.client import EngineError
+from gptoss_serve.engine.async_engine import AsyncEngine
+from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.engine import StepResult
+from gptoss_serve.engine.scheduler_output import RequestOutput
 from gptoss_serve.engine.token_stream import DONE, TokenStream, post_all
 
 
@@ -63,3 +67,66 @@ def test_post_all_to_a_closed_loop_is_dropped() -> None:
                          queue=asyncio.Queue())  # fmt: skip
     loop.close()
     post_all([(stream, 1), (stream, DONE)])  # nobody listens: no error in the worker
+
+
+class _ScriptedCore:
+    """An EngineCore stand-in: step n gives each request its n-th scripted output."""
+
+    def __init__(self, steps: list[StepResult]) -> None:
+        self.steps = list(steps)
+        self.requests: list[str] = []
+
+    def add_request(self, request_id: str, prompt_ids, params) -> None:
+        self.requests.append(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        raise AssertionError(f"nothing should be aborted, got {request_id}")
+
+    def step(self) -> StepResult:
+        if len(self.requests) < 3 or not self.steps:  # the worker admits the rest meanwhile
+            time.sleep(0.001)
+            return StepResult([])
+        return self.steps.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_async_engine_hands_each_step_over_in_one_wake_up() -> None:
+    steps = [
+        StepResult([RequestOutput("a", (1,), None, 0), RequestOutput("b", (11,), None, 0),
+                    RequestOutput("c", (21,), None, 0)]),
+        StepResult([RequestOutput("a", (2,), "stop", 3), RequestOutput("b", (12,), None, 0)],
+                   failed={"c": "grammar refused token 22"}),
+        StepResult([RequestOutput("b", (13,), "length", 0)]),
+    ]  # fmt: skip
+    core = _ScriptedCore(steps)
+
+    async def main() -> tuple[dict, int, int]:
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        threadsafe = loop.call_soon_threadsafe
+
+        def counting(*args):
+            nonlocal wake_ups
+            wake_ups += 1
+            return threadsafe(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        engine = AsyncEngine(lambda: core, EngineInfo("m", 64, 100, 0))
+
+        async def read(request_id: str) -> list[int] | str:
+            try:
+                return [t async for t in engine.generate(request_id, [5], SamplingParams())]
+            except EngineError as error:
+                return str(error)
+
+        results = await asyncio.gather(read("a"), read("b"), read("c"))
+        steps_handed_over = wake_ups  # (close's thread join wakes the loop once more)
+        cached = engine.cached_tokens("a")
+        await engine.close()
+        return dict(zip("abc", results, strict=True)), steps_handed_over, cached
+
+    results, wake_ups, cached = asyncio.run(main())
+    assert results == {"a": [1, 2], "b": [11, 12, 13], "c": "grammar refused token 22"}
+    assert wake_ups == 3 and cached == 3  # one per step; a's prefix-cache hits are kept
