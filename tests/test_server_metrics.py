@@ -48,3 +48,25 @@ def test_metrics_count_statuses_tokens_and_latencies() -> None:
     assert samples[("gptoss_time_to_first_token_seconds_count", ())] == 3
     assert samples[("gptoss_time_per_output_token_seconds_count", ())] == 3
     assert samples[("gptoss_request_duration_seconds_count", ())] == 3
+
+
+def test_output_tokens_count_while_a_generation_runs() -> None:
+    # A long generation's tokens show in the counter as they come (a rate over it is its
+    # speed), not all at once when it ends.
+    engine = ScriptedEngine([harmony_tokens(REPLY)])
+    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
+    with TestClient(app) as client:
+        body = {"model": "demo", "input": "Hi", "stream": True}
+        with client.stream("POST", "/v1/responses", json=body) as stream:
+            lines = stream.iter_lines()
+            deltas = 0
+            for line in lines:
+                deltas += line.startswith("data:") and '"response.reasoning_text.delta"' in line
+                if deltas == 2:
+                    break
+            midway = _samples(client.get("/metrics").text)
+            for _ in lines:
+                pass
+        done = _samples(client.get("/metrics").text)
+    assert midway[("gptoss_requests_running", ())] == 1
+    assert 0 < midway[("gptoss_output_tokens_total", ())] < done[("gptoss_output_tokens_total", ())]

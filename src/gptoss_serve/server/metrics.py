@@ -38,7 +38,7 @@ class ServerMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.output_tokens = Counter(
-            "gptoss_output_tokens", "Generated tokens (reasoning included).",
+            "gptoss_output_tokens", "Generated tokens (reasoning included), counted as they come.",
             registry=self.registry,
         )  # fmt: skip
         self.ttft = Histogram(
@@ -77,6 +77,8 @@ class RequestTimer:
         self.num_tokens += 1
         if self.first_token is None:
             self.first_token = time.monotonic()
+        if self.metrics is not None:  # as they come: a long generation's rate shows while it runs
+            self.metrics.output_tokens.inc()
 
     def end(self, status: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.ended = True
@@ -88,7 +90,6 @@ class RequestTimer:
         metrics.requests.labels(status=status).inc()
         metrics.prompt_tokens.inc(prompt_tokens)
         metrics.cached_tokens.inc(cached_tokens)
-        metrics.output_tokens.inc(self.num_tokens)
         metrics.latency.observe(now - self.started)
         if self.first_token is not None:
             metrics.ttft.observe(self.first_token - self.started)
