@@ -449,6 +449,28 @@ def test_truncation_auto_drops_the_oldest_items(
     assert "Which fruit?" in prompt
 
 
+def test_truncation_auto_drops_the_fewest_oldest_items(
+    small_client: TestClient, engine: ScriptedEngine
+) -> None:
+    """Many items of uneven sizes: what "auto" keeps fits, and one more kept would not (the
+    fewest are dropped, as dropping them one at a time would)."""
+    words = ["kiwi", "plum", "fig", "lime", "pear", "date", "yuzu", "sloe", "quince", "nut"]
+    # Each content has words of its own, so that finding it in the prompt is unambiguous.
+    items = [
+        {"role": "user", "content": f"{word}{i} " * (3 + 7 * (i % 4))}
+        for i, word in enumerate(words * 2)
+    ]
+    response = small_client.post("/v1/responses", json=with_base(input=items, truncation="auto"))
+    assert response.status_code == 200, response.text
+    prompt = decode(engine.prompts[-1])
+    kept = next(i for i in range(len(items)) if all(it["content"] in prompt for it in items[i:]))
+    assert kept > 0 and items[kept - 1]["content"] not in prompt
+    as_kept = small_client.post("/v1/responses", json=with_base(input=items[kept:]))
+    one_more = small_client.post("/v1/responses", json=with_base(input=items[kept - 1 :]))
+    assert as_kept.status_code == 200, as_kept.text
+    assert_error(one_more, 400, "input", "context_length_exceeded")
+
+
 # -- engine failures -------------------------------------------------------------------------
 
 

@@ -221,17 +221,40 @@ def _response_format(request: CreateResponseRequest) -> ResponseFormat | None:
 def _fit_context(
     render: RenderRequest, request: CreateResponseRequest, context: int
 ) -> tuple[list[int], RenderRequest]:
-    """Render; with truncation 'auto' drop the oldest items until a token of output fits."""
-    while True:
-        prompt_ids = render_prompt(render)
-        if len(prompt_ids) < context:
-            return prompt_ids, render
-        if request.truncation != "auto" or len(render.items) <= 1:
-            raise bad_request(
-                f"The input ({len(prompt_ids)} tokens) exceeds the context window of this "
-                f"model ({context} tokens).", "input", "context_length_exceeded",
-            )  # fmt: skip
-        render = RenderRequest(**{**render.__dict__, "items": render.items[1:]})
+    """Render; with truncation 'auto' drop the fewest oldest items that let a token of output
+    fit. The fewest is found by bisection over how many: dropping them one at a time rendered
+    the whole conversation again for each (52 s of the event loop for 400 items of ~500
+    tokens over a 131k context; now ~10 renders)."""
+    prompt_ids = render_prompt(render)
+    if len(prompt_ids) < context:
+        return prompt_ids, render
+    if request.truncation != "auto" or len(render.items) <= 1:
+        raise _context_exceeded(len(prompt_ids), context)
+
+    def dropping(count: int) -> tuple[list[int], RenderRequest]:
+        fewer = RenderRequest(**{**render.__dict__, "items": render.items[count:]})
+        return render_prompt(fewer), fewer
+
+    # Fewer items never render to more tokens: `fits` drops enough, `short` (known) too few.
+    short, fits = 0, len(render.items) - 1
+    best = dropping(fits)
+    if len(best[0]) >= context:  # even the newest item alone is too long
+        raise _context_exceeded(len(best[0]), context)
+    while fits - short > 1:
+        middle = (short + fits) // 2
+        tried = dropping(middle)
+        if len(tried[0]) < context:
+            fits, best = middle, tried
+        else:
+            short = middle
+    return best
+
+
+def _context_exceeded(num_tokens: int, context: int) -> APIError:
+    return bad_request(
+        f"The input ({num_tokens} tokens) exceeds the context window of this model ({context} "
+        "tokens).", "input", "context_length_exceeded",
+    )  # fmt: skip
 
 
 async def run(
