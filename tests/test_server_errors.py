@@ -19,6 +19,7 @@ from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineInfo
 from gptoss_serve.harmony.adapter import decode
 from gptoss_serve.server.app import create_app
+from gptoss_serve.server.responses import fewest_to_drop
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import ScriptedEngine, harmony_tokens
 
@@ -560,3 +561,21 @@ def test_nan_or_infinity_is_a_400_naming_the_field(
     assert_error(response, 400, param)
     assert "not a valid JSON number" in response.json()["error"]["message"]
     assert_healthy(client)
+
+
+def test_fewest_to_drop_finds_the_smallest_count_from_any_guess() -> None:
+    # fits(count) holds from `answer` on; 0 never fits and `last` always does.
+    for last in range(1, 41):
+        for answer in range(1, last + 1):
+            for guess in range(last + 3):
+                asked: list[int] = []
+
+                def fits(count: int, answer: int = answer, asked: list[int] = asked) -> bool:
+                    asked.append(count)
+                    return count >= answer
+
+                assert fewest_to_drop(last, fits, guess) == answer
+                assert len(asked) == len(set(asked)) and 0 not in asked
+                assert len(asked) <= 2 * last.bit_length() + 2
+                if guess == answer:  # a right guess: itself and the one below
+                    assert len(asked) <= 2
