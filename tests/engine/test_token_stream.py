@@ -16,6 +16,19 @@ from gptoss_serve.engine.scheduler_output import RequestOutput
 from gptoss_serve.engine.token_stream import DONE, TokenStream, post_all
 
 
+def _count_wake_ups(loop: asyncio.AbstractEventLoop) -> list[tuple]:
+    """Records every call_soon_threadsafe on ``loop`` (each wakes it) and lets it through."""
+    calls: list[tuple] = []
+    threadsafe = loop.call_soon_threadsafe
+
+    def counting(*args):
+        calls.append(args)
+        return threadsafe(*args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    return calls
+
+
 async def _read(stream: TokenStream) -> list[int]:
     return [token async for token in stream.tokens()]
 
@@ -24,15 +37,7 @@ def test_post_all_delivers_each_stream_in_order_with_one_wake_up() -> None:
     async def main() -> tuple[list[list[int]], int]:
         loop = asyncio.get_running_loop()
         streams = [TokenStream.open(f"r{i}", [1], SamplingParams()) for i in range(3)]
-        wake_ups = 0
-        threadsafe = loop.call_soon_threadsafe
-
-        def counting(*args):
-            nonlocal wake_ups
-            wake_ups += 1
-            return threadsafe(*args)
-
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        wake_ups = _count_wake_ups(loop)
         steps = [[(s, 10 * i + step) for i, s in enumerate(streams)] for step in range(4)]
         steps[-1] += [(s, DONE) for s in streams]
 
@@ -44,7 +49,7 @@ def test_post_all_delivers_each_stream_in_order_with_one_wake_up() -> None:
         thread.start()
         results = await asyncio.gather(*(_read(s) for s in streams))
         thread.join()
-        return results, wake_ups
+        return results, len(wake_ups)
 
     results, wake_ups = asyncio.run(main())
     assert results == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23]]
@@ -104,15 +109,7 @@ def test_the_async_engine_hands_each_step_over_in_one_wake_up() -> None:
 
     async def main() -> tuple[dict, int, int]:
         loop = asyncio.get_running_loop()
-        wake_ups = 0
-        threadsafe = loop.call_soon_threadsafe
-
-        def counting(*args):
-            nonlocal wake_ups
-            wake_ups += 1
-            return threadsafe(*args)
-
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        wake_ups = _count_wake_ups(loop)
         engine = AsyncEngine(lambda: core, EngineInfo("m", 64, 100, 0))
 
         async def read(request_id: str) -> list[int] | str:
@@ -122,7 +119,7 @@ def test_the_async_engine_hands_each_step_over_in_one_wake_up() -> None:
                 return str(error)
 
         results = await asyncio.gather(read("a"), read("b"), read("c"))
-        steps_handed_over = wake_ups  # (close's thread join wakes the loop once more)
+        steps_handed_over = len(wake_ups)  # (close's thread join wakes the loop once more)
         cached = engine.cached_tokens("a")
         await engine.close()
         return dict(zip("abc", results, strict=True)), steps_handed_over, cached

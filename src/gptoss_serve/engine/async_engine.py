@@ -129,15 +129,18 @@ class AsyncEngine:
             posts.extend((stream, token) for token in output.new_token_ids)
             if output.finish_reason is not None:
                 del self._streams[output.request_id]
-                stream.is_done = True
-                posts.append((stream, DONE))
+                posts.append(_ending(stream, DONE))
         for request_id, reason in result.failed.items():
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.is_done = True
-                posts.append((stream, EngineError(reason)))
+                posts.append(_ending(stream, EngineError(reason)))
         post_all(posts)
 
     def _finish(self, stream: _Stream, item: object) -> None:
-        stream.is_done = True
-        stream.post(item)
+        post_all([_ending(stream, item)])
+
+
+def _ending(stream: _Stream, item: object) -> tuple[_Stream, object]:
+    """``stream``'s last post (DONE or an error), the stream marked done."""
+    stream.is_done = True
+    return stream, item

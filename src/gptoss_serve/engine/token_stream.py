@@ -36,8 +36,7 @@ class TokenStream:
 
     def post(self, item: object) -> None:
         """From the worker thread: a token id, DONE, or an exception that ends the stream."""
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        post_all([(self, item)])
 
     async def tokens(self) -> AsyncIterator[int]:
         """The posted token ids until DONE. An EngineError posted is raised as it is; any
