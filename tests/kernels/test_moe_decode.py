@@ -500,7 +500,8 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
     pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8"}
     common = dict(TOP_K=4, PTX=tiles.ptx, PDL=tiles.pdl, INTERPRET=False)
     gate_up = dict(H=2880, N=5760, E=128, ROUTED=False, BN=tiles.gate_up_rows * tiles.gate_up_split)
-    gate_up |= dict(SPLIT=tiles.gate_up_split, NUM_STAGES=tiles.gate_up_stages)
+    gate_up |= dict(SPLIT=tiles.gate_up_split, NUM_STAGES=tiles.gate_up_stages,
+                    WARP_TOPK=tiles.topk_copies)  # fmt: skip
     down = dict(N=2880, K=2880, BR=tiles.down_rows, SPLIT=tiles.down_split)
     down |= dict(NUM_STAGES=tiles.down_stages)
     gate_up |= split_plan(2880, tiles.gate_up_split, tiles.gate_up_unroll) | common

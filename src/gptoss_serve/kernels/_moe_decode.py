@@ -173,6 +173,53 @@ def _token_routing(logits_ptr, token, E: tl.constexpr, TOP_K: tl.constexpr):
 
 
 @triton.jit
+def _token_slot_routing(logits_ptr, token, slot, E: tl.constexpr, TOP_K: tl.constexpr,
+                        COPIES: tl.constexpr):  # fmt: skip
+    """(expert id, routing weight) of slot ``slot`` of one token, from its logits: each of
+    COPIES rows (one per warp) holds all the logits and runs the top-k on its own, so its
+    reductions stay inside a warp (shuffles, no barrier); only the final pick crosses warps."""
+    E_PAD: tl.constexpr = triton.next_power_of_2(E)
+    K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
+    experts = tl.arange(0, E_PAD)[None, :]
+    copies = tl.arange(0, COPIES)[:, None]
+    logits = tl.load(logits_ptr + token * E + experts + 0 * copies,
+                     mask=(experts < E) & (copies >= 0), other=float("-inf"))  # fmt: skip
+    ids, weights = _topk_softmax(logits, TOP_K, K_PAD)  # [COPIES, K_PAD], equal rows
+    chosen = tl.arange(0, K_PAD)[None, :] == slot
+    expert = tl.max(tl.sum(tl.where(chosen, ids, 0), axis=1), axis=0)
+    weight = tl.max(tl.sum(tl.where(chosen, weights, 0.0), axis=1), axis=0)
+    return expert, weight
+
+
+@triton.jit
+def _pair_expert(
+    logits_ptr, expert_ids_ptr, routing_weights_ptr, pair, col_block, E: tl.constexpr,
+    TOP_K: tl.constexpr, ROUTED: tl.constexpr, WARP_TOPK: tl.constexpr,
+):  # fmt: skip
+    """The expert of ``pair``: given (ROUTED), or from its token's logits, by WARP_TOPK warps
+    each on its own copy (``_token_slot_routing``) or by the whole program; then the programs
+    of row tile 0 write the pair's expert id and routing weight."""
+    token = pair // TOP_K
+    if ROUTED:
+        expert = tl.load(expert_ids_ptr + pair)
+    elif WARP_TOPK:
+        expert, weight = _token_slot_routing(logits_ptr, token, pair % TOP_K, E, TOP_K,
+                                             WARP_TOPK)  # fmt: skip
+        if col_block == 0:
+            tl.store(expert_ids_ptr + pair, expert)
+            tl.store(routing_weights_ptr + pair, weight)
+    else:
+        ids, weights = _token_routing(logits_ptr, token, E, TOP_K)
+        slots = tl.arange(0, ids.shape[0])
+        expert = tl.sum(tl.where(slots == pair % TOP_K, ids, 0), axis=0)
+        if col_block == 0:
+            tl.store(expert_ids_ptr + pair, expert)
+            weight = tl.sum(tl.where(slots == pair % TOP_K, weights, 0.0), axis=0)
+            tl.store(routing_weights_ptr + pair, weight)
+    return expert
+
+
+@triton.jit
 def _gate_up_kernel(
     x_thread_ptr, logits_ptr, expert_ids_ptr, routing_weights_ptr,
     blocks_ptr, scales_ptr, bias_ptr, h_ptr, num_pairs, alpha, limit,
@@ -180,7 +227,7 @@ def _gate_up_kernel(
     ROUTED: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr,
     STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
-    LB: tl.constexpr = 1,
+    LB: tl.constexpr = 1, WARP_TOPK: tl.constexpr = 0,
 ):  # fmt: skip
     """h[p, :] (thread order, bf16 [P, N/2]) for R = BN/SPLIT rows [n0, n0 + R) of the pair's
     expert. The K columns are split in SPLIT parts of SPLIT_GROUPS groups: tile row s·R + r
@@ -195,16 +242,8 @@ def _gate_up_kernel(
     token = pair // TOP_K
     if PDL:
         gdc_wait()  # the router's logits (or routing) and x_thread
-    if ROUTED:
-        expert = tl.load(expert_ids_ptr + pair)
-    else:
-        ids, weights = _token_routing(logits_ptr, token, E, TOP_K)
-        slots = tl.arange(0, ids.shape[0])
-        expert = tl.sum(tl.where(slots == pair % TOP_K, ids, 0), axis=0)
-        if col_block == 0:
-            tl.store(expert_ids_ptr + pair, expert)
-            weight = tl.sum(tl.where(slots == pair % TOP_K, weights, 0.0), axis=0)
-            tl.store(routing_weights_ptr + pair, weight)
+    expert = _pair_expert(logits_ptr, expert_ids_ptr, routing_weights_ptr, pair, col_block, E,
+                          TOP_K, ROUTED, WARP_TOPK)  # fmt: skip
     n0 = col_block * R
     rows, t = _tile_slots(BN)
     part = rows // R

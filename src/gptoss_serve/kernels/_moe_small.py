@@ -103,6 +103,10 @@ class DecodeTiles:
     # overflow their first group by a few pairs, and a second group decodes every weight tile
     # again for them.
     next_group_columns: int = 0
+    # Per-pair path without route_in_router: each gate_up warp runs the top-k on its own copy
+    # of the token's logits, so its reductions need no barrier and few registers
+    # (_moe_decode._token_slot_routing; 168 -> 80 registers a thread at T = 1)
+    warp_topk: bool = False
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
 
@@ -116,9 +120,7 @@ class DecodeTiles:
                 raise ValueError(f"{name} must be a power of two ≥ 16 (down: · k), got {rows}")
         if self.gate_up_rows < 2:
             raise ValueError("gate_up_rows must cover a (gate, up) pair")
-        finish = self.router_finish_tokens
-        if finish < 1 or finish & (finish - 1):
-            raise ValueError(f"router_finish_tokens must be a power of two, got {finish}")
+        self._check_routing()
         if self.group_columns and not (
             self.route_in_router and self.gate_up_split == self.down_split == 1
             and self.down_rows >= 16 and not self.down_rows & (self.down_rows - 1)
@@ -152,6 +154,18 @@ class DecodeTiles:
         if self.group_size not in columns.GROUP_SIZES:
             raise ValueError(f"group_size must be one of {columns.GROUP_SIZES}, got {self}")
 
+    def _check_routing(self) -> None:
+        finish = self.router_finish_tokens
+        if finish < 1 or finish & (finish - 1):
+            raise ValueError(f"router_finish_tokens must be a power of two, got {finish}")
+        if self.warp_topk and self.route_in_router:
+            raise ValueError(f"warp_topk is gate_up's own top-k: not with route_in_router, {self}")
+
+    @property
+    def topk_copies(self) -> int:
+        """gate_up's WARP_TOPK: its warps (each its own copy of the logits), 0 without it."""
+        return self.gate_up_warps if self.warp_topk else 0
+
     @property
     def order(self) -> int:
         """The activations' order, as the kernels' TILE_ORDER (_moe_gemv.ORDER_*)."""
@@ -182,11 +196,18 @@ _WGMMA_COLUMNS = dataclasses.replace(
 # 23.012 ms; 2 stages lose (batch 1 2.540, batch 64 24.604). At T = 1 gate_up also takes
 # 64-row parts on 4 warps (alone, routed: 19.56 -> 18.36 us); its own top-4 stays in gate_up
 # (the router's last program doing it: 2.822 ms a step).
+# Since s2 each gate_up warp of the 1-token and 3-4-token rows runs the top-4 on its own copy
+# of the logits (warp_topk): 10 reductions across the program's warps had set its registers
+# (168 -> 80 at T = 1), and 4 warps then pay at 3-4 tokens. Whole 120b step (step_tiles.py,
+# H100, logits the same bits at T = 1): batch 1 2.667 -> 2.609 ms, 3 5.056 -> 4.751, 4 5.780 ->
+# 5.414; at batch 2 the 4 warps lost (3.658 -> 3.696; warps alone 3.815), so T = 2 keeps its row.
 DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (1, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_warps=4,
+                    down_stages=3, route_in_router=False, warp_topk=True)),
+    (2, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
                     down_stages=3, route_in_router=False)),
-    (4, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
-                    down_stages=3, route_in_router=False)),
+    (4, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_rows=16,
+                    down_warps=4, down_stages=3, route_in_router=False, warp_topk=True)),
     # From 5 tokens the pairs grouped by expert (_moe_columns.py). From 17 tokens since v5: gate_up
     # + down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us (H200). From 5 since v14, once
     # a group's unused MMA columns were no longer read: the whole 120b step (bench/step_tiles.py,
@@ -448,6 +469,7 @@ def launch_gate_up(
         NUM_STAGES=tiles.gate_up_stages, PTX=tiles.ptx and not _interpreting(), PDL=pdl,
         INTERPRET=_interpreting(), LB=weights.step_rows, num_warps=tiles.gate_up_warps,
         num_stages=tiles.gate_up_stages, launch_pdl=pdl,
+        WARP_TOPK=tiles.topk_copies,
     )  # fmt: skip
 
 
