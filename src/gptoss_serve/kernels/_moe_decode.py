@@ -6,8 +6,8 @@
    GEMV programs then load 4 ids instead of each running a top-4 over 128 logits, which was
    ~1,000 of a gate_up thread's ~6,000 instructions at T = 1).
 2. ``_gate_up_kernel``: one program per (pair p = (token, slot), BN-row tile of the 2I gate/up
-   rows). It takes its expert from the routing (with PDL: from the token's top-k, recomputed
-   from the logits), streams the expert's rows through the MXFP4 GEMV and applies bias and the
+   rows). It takes its expert from the routing or from the token's top-k, recomputed from the
+   logits (at 1-4 tokens, by each warp on its own copy: reductions without barriers), streams the expert's rows through the MXFP4 GEMV and applies bias and the
    clamped SwiGLU; h [P, I] bf16 is stored in thread order for the down GEMV. The tile-0
    programs write the pair's expert id and routing weight.
 3. ``_down_kernel``: one program per (token, BR-row tile of H). Its GEMV tile stacks the BR rows
