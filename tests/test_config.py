@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from gptoss_serve.checkpoint.presets import preset_config
-from gptoss_serve.config import ConfigError, ModelConfig
+from gptoss_serve.config import ConfigError, ModelConfig, ServerConfig
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -98,3 +98,9 @@ def test_file_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_file(tmp_path / "config.json")
+
+
+def test_server_request_limit_is_checked() -> None:
+    assert ServerConfig().max_request_bytes == 64 * 2**20
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        ServerConfig(max_request_bytes=100)

@@ -19,3 +19,8 @@ def test_user_text_cannot_inject_special_tokens() -> None:
     end = adapter.special_token_id("<|end|>")
     # Only the genuine message ends: system, user.
     assert ids.count(end) == 2
+
+
+def test_max_token_bytes_is_the_vocabularys_longest_token() -> None:
+    """The server's lower bound of a text's tokens (bytes / MAX_TOKEN_BYTES) rests on it."""
+    assert max(map(len, adapter.vocabulary().ordinary)) == adapter.MAX_TOKEN_BYTES

@@ -18,6 +18,7 @@ from httpx import Response
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineInfo
 from gptoss_serve.harmony.adapter import decode
+from gptoss_serve.server import responses
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.responses import fewest_to_drop
 from gptoss_serve.server.store import ResponseStore
@@ -36,8 +37,8 @@ WEATHER_TOOL: dict[str, Any] = {
 }
 
 
-def make_client(engine: ScriptedEngine) -> TestClient:
-    return TestClient(create_app(engine, ResponseStore(":memory:"), ServerConfig()))
+def make_client(engine: ScriptedEngine, config: ServerConfig | None = None) -> TestClient:
+    return TestClient(create_app(engine, ResponseStore(":memory:"), config or ServerConfig()))
 
 
 @pytest.fixture()
@@ -470,6 +471,59 @@ def test_truncation_auto_drops_the_fewest_oldest_items(
     one_more = small_client.post("/v1/responses", json=with_base(input=items[kept - 1 :]))
     assert as_kept.status_code == 200, as_kept.text
     assert_error(one_more, 400, "input", "context_length_exceeded")
+
+
+@pytest.fixture()
+def renders(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The item count of every prompt the server renders."""
+    counts: list[int] = []
+    real = responses.render_prompt
+
+    def counting(render):
+        counts.append(len(render.items))
+        return real(render)
+
+    monkeypatch.setattr(responses, "render_prompt", counting)
+    return counts
+
+
+def test_inputs_sure_to_exceed_the_context_are_refused_unrendered(
+    small_client: TestClient, renders: list[int]
+) -> None:
+    """A rendering holds the GIL, and the event loop with it (~0.2 s a MB): an input whose
+    characters alone are more tokens than the context (at most 128 bytes a token) is refused
+    without one."""
+    response = small_client.post("/v1/responses", json=with_base(input="x" * 128 * 200))
+    assert_error(response, 400, "input", "context_length_exceeded")
+    assert "at least 200 tokens" in response.json()["error"]["message"]
+    assert renders == []
+    assert_healthy(small_client)
+
+
+def test_truncation_auto_drops_items_sure_to_exceed_before_rendering(
+    small_client: TestClient, engine: ScriptedEngine, renders: list[int]
+) -> None:
+    items = [{"role": "user", "content": "x" * 128 * 200}, *long_items()]
+    response = small_client.post("/v1/responses", json=with_base(input=items, truncation="auto"))
+    assert response.status_code == 200, response.text
+    assert renders and max(renders) <= 3  # the huge oldest item never rendered
+    prompt = decode(engine.prompts[-1])
+    assert "xxxx" not in prompt and "banana" in prompt and "Which fruit?" in prompt
+
+
+def test_a_request_body_over_the_limit_is_a_413(engine: ScriptedEngine) -> None:
+    with make_client(engine, ServerConfig(max_request_bytes=4096)) as small_limit:
+        response = small_limit.post("/v1/responses", json=with_base(input="word " * 1000))
+        assert_error(response, 413, None, "request_too_large")
+        assert "4096 bytes" in response.json()["error"]["message"]
+        body = json.dumps(with_base(input="word " * 1000)).encode()
+        chunked = small_limit.post(  # no declared length: counted as it arrives
+            "/v1/responses", content=iter([body[:3000], body[3000:]]),
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        assert_error(chunked, 413, None, "request_too_large")
+        fits = small_limit.post("/v1/responses", json=with_base(input="word " * 100))
+        assert fits.status_code == 200, fits.text
 
 
 # -- engine failures -------------------------------------------------------------------------

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SQLite file of stored responses (default: XDG data dir)")  # fmt: skip
     serve.add_argument("--default-max-output-tokens", type=_positive_int, default=4096,
                        help="output cap for requests without max_output_tokens")  # fmt: skip
+    serve.add_argument("--max-request-mb", type=_positive_int,
+                       default=ServerConfig.max_request_bytes // 2**20,
+                       help="largest request body in MiB (larger: 413)")  # fmt: skip
     serve.add_argument("--max-concurrent", type=_positive_int, default=8,
                        help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
     serve.add_argument("--engine", choices=("auto", "gpu", "cpu"), default="auto",
@@ -394,6 +397,7 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_budget_low=args.reasoning_budget_low,
         reasoning_budget_medium=args.reasoning_budget_medium,
         reasoning_budget_high=args.reasoning_budget_high,
+        max_request_bytes=args.max_request_mb * 2**20,
     )  # fmt: skip
     use_gpu = args.engine == "gpu" or (args.engine == "auto" and torch.cuda.is_available())
     if use_gpu:

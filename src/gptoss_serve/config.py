@@ -308,8 +308,13 @@ class ServerConfig:
     reasoning_budget_low: int = 512
     reasoning_budget_medium: int = 2048
     reasoning_budget_high: int = 8192
+    # Largest request body (bytes) read, else 413. A 131k-token context holds at most 16.8 MB
+    # of text (o200k's longest token is 128 bytes), JSON-escaped at most ~2x in practice.
+    max_request_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be at least 1024")
         for effort in ("low", "medium", "high"):
             if self.reasoning_budget(effort) < 0:
                 raise ValueError(f"reasoning_budget_{effort} must be >= 0")

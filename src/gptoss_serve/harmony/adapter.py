@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 REASONING_EFFORTS = ("low", "medium", "high")
 MODEL_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
 KNOWLEDGE_CUTOFF = "2024-06"
+# The longest ordinary token of o200k, in bytes (a test checks it against ``vocabulary()``): a
+# text of n bytes is at least n / 128 tokens.
+MAX_TOKEN_BYTES = 128
 
 
 class HarmonyFramingError(ValueError):

@@ -17,6 +17,7 @@ from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
 from gptoss_serve.server import constraints
 from gptoss_serve.server.background import BackgroundRuns
+from gptoss_serve.server.body_limit import BodyLimit
 from gptoss_serve.server.errors import bad_request, install_error_handlers, not_found
 from gptoss_serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gptoss_serve.server.metrics import ServerMetrics
@@ -58,6 +59,8 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     runs = BackgroundRuns(engine, store, metrics)
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
+    app.state.max_request_bytes = config.max_request_bytes
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     install_error_handlers(app)
     model = ModelObject(id=engine.info.model_name, created=engine.info.created_at)
 

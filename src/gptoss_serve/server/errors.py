@@ -55,6 +55,13 @@ def not_found(message: str, param: str | None = None) -> APIError:
     return APIError(404, message, param=param, code="not_found")
 
 
+def too_large(max_bytes: int) -> APIError:
+    return APIError(
+        413, f"The request body exceeds this server's limit of {max_bytes} bytes.",
+        code="request_too_large",
+    )  # fmt: skip
+
+
 _UNION_TAG_ERRORS = ("union_tag_invalid", "union_tag_not_found")
 
 
@@ -154,8 +161,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        api_error = APIError(error.status_code, str(error.detail), code=code)
+        if error.status_code == 413:  # body_limit.py, while the route reads the body
+            api_error = too_large(app.state.max_request_bytes)
+        else:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+            api_error = APIError(error.status_code, str(error.detail), code=code)
         return JSONResponse(api_error.body(), status_code=error.status_code)
 
     @app.exception_handler(Exception)

@@ -226,7 +226,12 @@ def _fit_context(
     """Render; with truncation 'auto' drop the fewest oldest items that let a token of output
     fit. Dropping them one at a time rendered the whole conversation again for each (52 s of
     the event loop for 400 items of ~500 tokens over a 131k context): now a first guess from
-    the items' sizes, then a search around it (``fewest_to_drop``), a render a try."""
+    the items' sizes, then a search around it (``fewest_to_drop``), a render a try.
+
+    Rendering holds the GIL (~0.2 s a MB of text, the event loop with it), so the items that
+    cannot fit whatever the rest holds are refused (or, under 'auto', dropped) before any
+    render, from a lower bound of their tokens (``_fewest_tokens``)."""
+    render = _drop_certain_excess(render, request, context)
     prompt_ids = render_prompt(render)
     if len(prompt_ids) < context:
         return prompt_ids, render
@@ -251,6 +256,32 @@ def _fit_context(
         dropped += sizes[guess]
         guess += 1
     return tried[fewest_to_drop(last, fits, guess)]
+
+
+def _drop_certain_excess(
+    render: RenderRequest, request: CreateResponseRequest, context: int
+) -> RenderRequest:
+    """``render`` without its oldest items while the newer ones alone are sure to exceed the
+    context; raises when no truncation is allowed or even the newest item is too long."""
+    newest_first = [_fewest_tokens(item) for item in reversed(render.items)]
+    total = sum(newest_first)
+    if total < context:
+        return render
+    if request.truncation != "auto":
+        raise _context_exceeded(total, context, at_least=True)
+    kept, tokens = 0, 0
+    while tokens + newest_first[kept] < context:  # ends: the sum of all of them does not fit
+        tokens += newest_first[kept]
+        kept += 1
+    if kept == 0:
+        raise _context_exceeded(newest_first[0], context, at_least=True)
+    return RenderRequest(**{**render.__dict__, "items": render.items[-kept:]})
+
+
+def _fewest_tokens(item: Item) -> int:
+    """A lower bound of an item's tokens: o200k's longest token is 128 bytes, a character at
+    least one byte."""
+    return -(-_item_chars(item) // adapter.MAX_TOKEN_BYTES)
 
 
 def fewest_to_drop(last: int, fits: Callable[[int], bool], guess: int) -> int:
@@ -289,9 +320,10 @@ def _item_chars(item: Item) -> int:
     return len(item.text)
 
 
-def _context_exceeded(num_tokens: int, context: int) -> APIError:
+def _context_exceeded(num_tokens: int, context: int, *, at_least: bool = False) -> APIError:
+    count = f"at least {num_tokens}" if at_least else f"{num_tokens}"
     return bad_request(
-        f"The input ({num_tokens} tokens) exceeds the context window of this model ({context} "
+        f"The input ({count} tokens) exceeds the context window of this model ({context} "
         "tokens).", "input", "context_length_exceeded",
     )  # fmt: skip
 
