@@ -54,7 +54,7 @@ def test_a_padded_step_gives_its_real_rows_the_unpadded_logits() -> None:
 
 
 def test_only_graph_sizes_whose_moe_reads_the_count_are_padded() -> None:
-    """The MoE's per-pair GEMVs (1-4 tokens) do not read valid_rows (kernels/moe.py): every
+    """The MoE's per-pair GEMVs (1-8 tokens) do not read valid_rows (kernels/moe.py): every
     decode batch that a graph pads lands on a size whose MoE tiles group the pairs."""
     pytest.importorskip("triton")
     from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415

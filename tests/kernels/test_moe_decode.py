@@ -364,7 +364,7 @@ def test_gpu_decode_bit_exact() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 100, "max", "max+1"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 8, 9, 16, 100, "max", "max+1"])
 def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> None:
     """Through moe_experts_triton's dispatch, up to and just past the switch to the grouped
     path (DECODE_MAX_TOKENS)."""

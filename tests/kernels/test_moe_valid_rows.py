@@ -2,11 +2,11 @@
 CUDA-graph batch past the step's real ones are left out of the expert grouping (no expert
 weights read for them) and come out as zeros, while the real rows come out bit for bit as from
 a call on them alone (each pair is its own MMA column or GEMM row: grouping changes no value).
-The grouped columns (_moe_columns.py, from 5 tokens; their groups from the one-program sort or,
+The grouped columns (_moe_columns.py, from 9 tokens; their groups from the one-program sort or,
 past SORT_MAX_PAIRS, from the block table), the grouped GEMMs (_moe_triton.py: one-program and
 atomic routing), the whole op with its own router, and the plain-torch reference; under the
 interpreter (small ragged shapes) and on the GPU (120b/20b shapes, a captured graph whose count
-changes between replays). The per-pair GEMVs (1-4 tokens) do not read the count (kernels/moe.py
+changes between replays). The per-pair GEMVs (1-8 tokens) do not read the count (kernels/moe.py
 says why); the engine never pads a step that small.
 """
 

@@ -1,7 +1,7 @@
 """Host side of the GEMV-shaped MXFP4 MoE, the "decode path" (T ≤ DECODE_MAX_TOKENS, which now
 reaches prefill chunks too): tiles, buffers, launches.
 
-Up to 4 tokens (per-pair GEMVs, 3 launches):
+Up to 8 tokens (per-pair GEMVs, 3 launches):
 
     _router_kernel   logits [T, E] fp32, x in thread order, and     (E / router_experts programs)
                      in its last program the top-k routing
@@ -12,7 +12,7 @@ No device-to-host sync (CUDA-graph capturable) and bitwise repeatable: the one a
 router's ticket, and the routing does not depend on which program draws the last one. Each
 (token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
 reads those rows more than once from L2 (not from HBM: the programs of one row tile run
-together, pairs fastest). From 5 tokens the pairs are grouped by expert (_moe_columns.py,
+together, pairs fastest). From 9 tokens the pairs are grouped by expert (_moe_columns.py,
 ``launch_columns``: 5 launches, 6 from 17 tokens with the K-split router; past 4096 pairs the
 grouping is
 the prefill one's count / block table / scatter, whose atomics may deal an expert's pairs to
@@ -196,7 +196,7 @@ _WGMMA_COLUMNS = dataclasses.replace(
 # 23.012 ms; 2 stages lose (batch 1 2.540, batch 64 24.604). At T = 1 gate_up also takes
 # 64-row parts on 4 warps (alone, routed: 19.56 -> 18.36 us); its own top-4 stays in gate_up
 # (the router's last program doing it: 2.822 ms a step).
-# Since s2 each gate_up warp of the 1-token and 3-4-token rows runs the top-4 on its own copy
+# Since v16 each gate_up warp of the 1-token and 3-8-token rows runs the top-4 on its own copy
 # of the logits (warp_topk): 10 reductions across the program's warps had set its registers
 # (168 -> 80 at T = 1), and 4 warps then pay at 3-4 tokens. Whole 120b step (step_tiles.py,
 # H100, logits the same bits at T = 1): batch 1 2.667 -> 2.609 ms, 3 5.056 -> 4.751, 4 5.780 ->
@@ -206,9 +206,11 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
                     down_stages=3, route_in_router=False, warp_topk=True)),
     (2, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
                     down_stages=3, route_in_router=False)),
-    (4, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_rows=16,
+    # ... and, since v16, 5-8 tokens too (the grouped columns before, from v14 to v15: batch 5 /
+    # 6 / 8 6.589 / 6.973 / 8.252 -> 6.200 / 6.809 / 8.142 ms, H100).
+    (8, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_rows=16,
                     down_warps=4, down_stages=3, route_in_router=False, warp_topk=True)),
-    # From 5 tokens the pairs grouped by expert (_moe_columns.py). From 17 tokens since v5: gate_up
+    # From 9 tokens the pairs grouped by expert (_moe_columns.py). From 17 tokens since v5: gate_up
     # + down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us (H200). From 5 since v14, once
     # a group's unused MMA columns were no longer read: the whole 120b step (bench/step_tiles.py,
     # H200) at batch 2 / 4 / 6 / 8 / 16 3.404 / 4.907 / 6.256 / 7.304 / 12.43 ms on the per-pair
@@ -312,7 +314,7 @@ def mxfp4_moe_decode(
     ``poison`` fills the scratch buffers with NaN. ``valid_rows`` (int32 [1] on x's device,
     read by the kernels; None: all rows): the rows from ``valid_rows[0]`` on are padding, their
     pairs left out of the groups and their output rows zero. Only the grouped columns
-    (``tiles.group_columns``: from 5 tokens in the table) read it; the per-pair GEMVs (1-4
+    (``tiles.group_columns``: from 9 tokens in the table) read it; the per-pair GEMVs (1-8
     tokens) ignore it, so that the batch-1 kernels, bound by their latency, take no load
     before their main loop for it: the engine's graphs are captured at every size up to 8,
     so its padded steps have 9 rows or more (engine/cuda_graphs.py)."""

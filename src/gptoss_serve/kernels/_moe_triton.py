@@ -137,7 +137,7 @@ def mxfp4_moe_triton(
     programmatic dependent launches (GPU only; the grouped path ignores it). ``valid_rows``
     (int32 [1] on x's device; None: all rows): rows from ``valid_rows[0]`` on are padding,
     left out of the grouping, their output zeros (read on the device by the grouping and sum
-    kernels; the decode path's per-pair GEMVs, 1-4 tokens, ignore it: _moe_small.py).
+    kernels; the decode path's per-pair GEMVs, 1-8 tokens, ignore it: _moe_small.py).
     """
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
