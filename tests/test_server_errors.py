@@ -8,6 +8,7 @@ failures are not client mistakes: they give a 200 response with ``status: failed
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,9 +19,9 @@ from httpx import Response
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineInfo
 from gptoss_serve.harmony.adapter import decode
-from gptoss_serve.server import responses
+from gptoss_serve.server import context_fit
 from gptoss_serve.server.app import create_app
-from gptoss_serve.server.responses import fewest_to_drop
+from gptoss_serve.server.context_fit import fewest_to_drop
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import ScriptedEngine, harmony_tokens
 
@@ -477,13 +478,13 @@ def test_truncation_auto_drops_the_fewest_oldest_items(
 def renders(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The item count of every prompt the server renders."""
     counts: list[int] = []
-    real = responses.render_prompt
+    real = context_fit.render_prompt
 
     def counting(render):
         counts.append(len(render.items))
         return real(render)
 
-    monkeypatch.setattr(responses, "render_prompt", counting)
+    monkeypatch.setattr(context_fit, "render_prompt", counting)
     return counts
 
 
@@ -509,6 +510,54 @@ def test_truncation_auto_drops_items_sure_to_exceed_before_rendering(
     assert renders and max(renders) <= 3  # the huge oldest item never rendered
     prompt = decode(engine.prompts[-1])
     assert "xxxx" not in prompt and "banana" in prompt and "Which fruit?" in prompt
+
+
+@pytest.fixture()
+def counting_small(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Token counting from small inputs on (as a 131k context's large ones are), recording
+    the thread each count runs in."""
+    monkeypatch.setattr(context_fit, "LARGE_INPUT_CHARS", 1000)
+    monkeypatch.setattr(context_fit, "LARGE_ITEM_CHARS", 100)
+    threads: list[str] = []
+    real = context_fit.token_bounds
+
+    def recording(items, context):
+        threads.append(threading.current_thread().name)
+        return real(items, context)
+
+    monkeypatch.setattr(context_fit, "token_bounds", recording)
+    return threads
+
+
+def test_a_large_input_counted_past_the_context_is_refused_unrendered(
+    small_client: TestClient, renders: list[int], counting_small: list[str]
+) -> None:
+    """Its characters / 128 (12) do not tell, its counted tokens (~300) do: refused with no
+    render, counted off the event loop's thread."""
+    response = small_client.post("/v1/responses", json=with_base(input="word " * 300))
+    assert_error(response, 400, "input", "context_length_exceeded")
+    assert "at least" in response.json()["error"]["message"]
+    assert renders == []
+    assert counting_small and counting_small[0] != threading.main_thread().name
+
+
+def test_truncation_auto_drops_a_large_old_item_counted_past_the_context(
+    small_client: TestClient, engine: ScriptedEngine, renders: list[int], counting_small: list[str]
+) -> None:
+    items = [{"role": "user", "content": "cherry " * 300}, *long_items()]
+    response = small_client.post("/v1/responses", json=with_base(input=items, truncation="auto"))
+    assert response.status_code == 200, response.text
+    assert renders and max(renders) <= 3  # the cherries never rendered
+    prompt = decode(engine.prompts[-1])
+    assert "cherry" not in prompt and "banana" in prompt and "Which fruit?" in prompt
+
+
+def test_a_large_input_that_fits_is_served(
+    client: TestClient, engine: ScriptedEngine, counting_small: list[str]
+) -> None:
+    response = client.post("/v1/responses", json=with_base(input="plum " * 400))
+    assert response.status_code == 200, response.text
+    assert counting_small and decode(engine.prompts[-1]).count("plum") == 400
 
 
 def test_a_request_body_over_the_limit_is_a_413(engine: ScriptedEngine) -> None:

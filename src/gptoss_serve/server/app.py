@@ -67,7 +67,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, **_SSE_DOC})
     async def create_response(body: CreateResponseRequest, request: Request):
         _check_previous_ended(runs, body.previous_response_id)
-        prepared = prepare(body, engine, store, config)
+        prepared = await prepare(body, engine, store, config)
         if body.background:  # runs on without this request; its events are kept
             background = runs.start(prepared)
             if body.stream:

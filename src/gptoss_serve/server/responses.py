@@ -6,11 +6,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,16 +19,13 @@ from gptoss_serve.config import SamplingParams, ServerConfig
 from gptoss_serve.engine.client import EngineClient, EngineError
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import (
-    FunctionCall,
-    FunctionCallOutput,
     FunctionTool,
     Item,
     RenderRequest,
     ResponseFormat,
 )
 from gptoss_serve.harmony.parse import HarmonyStreamParser
-from gptoss_serve.harmony.render import render_prompt
-from gptoss_serve.server import events
+from gptoss_serve.server import context_fit, events
 from gptoss_serve.server.constraints import constraint_grammar, reasoning_budget
 from gptoss_serve.server.conversation import (
     InputConverter,
@@ -71,10 +69,36 @@ class Prepared:
         self.state = events.StreamState(self.response)
 
 
-def prepare(
+@dataclass(frozen=True)
+class Draft:
+    """A request checked and its conversation built: ``prepare`` before any token."""
+
+    request: CreateResponseRequest
+    render: RenderRequest
+    input_items: list[dict[str, Any]]
+    model_name: str
+    context: int
+
+
+async def prepare(
     request: CreateResponseRequest, engine: EngineClient, store: ResponseStore, config: ServerConfig
 ) -> Prepared:
-    """Check everything a client could get wrong; build the prompt. Raises APIError."""
+    """Check everything a client could get wrong; build the prompt. Raises APIError. A large
+    input's tokens are counted in a worker thread, in short runs between which the event loop
+    gets the GIL (context_fit.py)."""
+    draft = begin(request, engine, store, config)
+    items = draft.render.items
+    if context_fit.large_input(items):
+        bounds = await asyncio.to_thread(context_fit.token_bounds, items, draft.context)
+    else:
+        bounds = context_fit.token_bounds(items, draft.context)
+    return finish(draft, config, bounds)
+
+
+def begin(
+    request: CreateResponseRequest, engine: EngineClient, store: ResponseStore, config: ServerConfig
+) -> Draft:
+    """The checks and the conversation (no tokenization). Raises APIError."""
     info = engine.info
     if request.model != info.model_name:
         raise APIError(
@@ -101,8 +125,15 @@ def prepare(
         tools=tools,
         response_format=_response_format(request),
     )
-    prompt_ids, render = _fit_context(render, request, info.max_context_tokens)
-    room = info.max_context_tokens - len(prompt_ids)
+    return Draft(request, render, converter.listed, info.model_name, info.max_context_tokens)
+
+
+def finish(draft: Draft, config: ServerConfig, bounds: Sequence[int]) -> Prepared:
+    """The prompt fitted to the context (``bounds``: context_fit.token_bounds of the items),
+    the sampling parameters and the in-progress response object. Raises APIError."""
+    request, context = draft.request, draft.context
+    prompt_ids, render = context_fit.fit_context(draft.render, request.truncation, context, bounds)
+    room = context - len(prompt_ids)
     max_tokens = min(request.max_output_tokens or config.default_max_output_tokens or room, room)
     budget = reasoning_budget(request, render.reasoning_effort, max_tokens, config)
     temperature = 1.0 if request.temperature is None else request.temperature
@@ -121,7 +152,7 @@ def prepare(
         instructions=request.instructions,
         max_output_tokens=request.max_output_tokens,
         metadata=request.metadata or {},
-        model=info.model_name,
+        model=draft.model_name,
         parallel_tool_calls=request.parallel_tool_calls,
         previous_response_id=request.previous_response_id,
         reasoning=request.reasoning.model_copy(update={"effort": render.reasoning_effort}),
@@ -136,7 +167,7 @@ def prepare(
         truncation=request.truncation,
         user=request.user,
     )
-    return Prepared(request, response, prompt_ids, list(render.items), converter.listed, params)
+    return Prepared(request, response, prompt_ids, list(render.items), draft.input_items, params)
 
 
 def _check_unsupported(request: CreateResponseRequest) -> None:
@@ -218,114 +249,6 @@ def _response_format(request: CreateResponseRequest) -> ResponseFormat | None:
     if isinstance(fmt, TextFormatJsonSchema):
         return ResponseFormat(fmt.name, fmt.schema_, fmt.description, bool(fmt.strict))
     return None
-
-
-def _fit_context(
-    render: RenderRequest, request: CreateResponseRequest, context: int
-) -> tuple[list[int], RenderRequest]:
-    """Render; with truncation 'auto' drop the fewest oldest items that let a token of output
-    fit. Dropping them one at a time rendered the whole conversation again for each (52 s of
-    the event loop for 400 items of ~500 tokens over a 131k context): now a first guess from
-    the items' sizes, then a search around it (``fewest_to_drop``), a render a try.
-
-    Rendering holds the GIL (~0.2 s a MB of text, the event loop with it), so the items that
-    cannot fit whatever the rest holds are refused (or, under 'auto', dropped) before any
-    render, from a lower bound of their tokens (``_fewest_tokens``)."""
-    render = _drop_certain_excess(render, request, context)
-    prompt_ids = render_prompt(render)
-    if len(prompt_ids) < context:
-        return prompt_ids, render
-    if request.truncation != "auto" or len(render.items) <= 1:
-        raise _context_exceeded(len(prompt_ids), context)
-    tried: dict[int, tuple[list[int], RenderRequest]] = {}
-
-    def fits(count: int) -> bool:
-        if count not in tried:
-            fewer = RenderRequest(**{**render.__dict__, "items": render.items[count:]})
-            tried[count] = (render_prompt(fewer), fewer)
-        return len(tried[count][0]) < context
-
-    last = len(render.items) - 1
-    if not fits(last):  # even the newest item alone is too long
-        raise _context_exceeded(len(tried[last][0]), context)
-    # Tokens in proportion to the items' characters: the oldest items holding the excess.
-    sizes = [_item_chars(item) for item in render.items]
-    excess = (len(prompt_ids) - context + 1) * sum(sizes) / len(prompt_ids)
-    guess, dropped = 0, 0
-    while guess < last and dropped < excess:
-        dropped += sizes[guess]
-        guess += 1
-    return tried[fewest_to_drop(last, fits, guess)]
-
-
-def _drop_certain_excess(
-    render: RenderRequest, request: CreateResponseRequest, context: int
-) -> RenderRequest:
-    """``render`` without its oldest items while the newer ones alone are sure to exceed the
-    context; raises when no truncation is allowed or even the newest item is too long."""
-    newest_first = [_fewest_tokens(item) for item in reversed(render.items)]
-    total = sum(newest_first)
-    if total < context:
-        return render
-    if request.truncation != "auto":
-        raise _context_exceeded(total, context, at_least=True)
-    kept, tokens = 0, 0
-    while tokens + newest_first[kept] < context:  # ends: the sum of all of them does not fit
-        tokens += newest_first[kept]
-        kept += 1
-    if kept == 0:
-        raise _context_exceeded(newest_first[0], context, at_least=True)
-    return RenderRequest(**{**render.__dict__, "items": render.items[-kept:]})
-
-
-def _fewest_tokens(item: Item) -> int:
-    """A lower bound of an item's tokens: o200k's longest token is 128 bytes, a character at
-    least one byte."""
-    return -(-_item_chars(item) // adapter.MAX_TOKEN_BYTES)
-
-
-def fewest_to_drop(last: int, fits: Callable[[int], bool], guess: int) -> int:
-    """The smallest count in 1..last for which ``fits`` holds, given that it holds for
-    ``last``, not for 0, and for every count above one where it holds: the bracket around
-    ``guess`` is found by doubling steps and closed by bisection (a good guess costs ~2
-    calls, any guess O(log) calls; each count is asked at most once)."""
-    guess = min(max(guess, 1), last)
-    if fits(guess):
-        above, step = guess, 1  # `above` fits; look below it
-        while above - step > 0 and fits(above - step):
-            above -= step
-            step *= 2
-        below = max(above - step, 0)  # does not fit (asked, or 0)
-    else:
-        below, step = guess, 1  # `below` does not fit; look above it
-        while below + step < last and not fits(below + step):
-            below += step
-            step *= 2
-        above = min(below + step, last)  # fits (asked, or last)
-    while above - below > 1:
-        middle = (below + above) // 2
-        if fits(middle):
-            above = middle
-        else:
-            below = middle
-    return above
-
-
-def _item_chars(item: Item) -> int:
-    """Characters an item renders from, the rough measure of its tokens."""
-    if isinstance(item, FunctionCall):
-        return len(item.name) + len(item.arguments)
-    if isinstance(item, FunctionCallOutput):
-        return len(item.name) + len(item.output)
-    return len(item.text)
-
-
-def _context_exceeded(num_tokens: int, context: int, *, at_least: bool = False) -> APIError:
-    count = f"at least {num_tokens}" if at_least else f"{num_tokens}"
-    return bad_request(
-        f"The input ({count} tokens) exceeds the context window of this model ({context} "
-        "tokens).", "input", "context_length_exceeded",
-    )  # fmt: skip
 
 
 async def run(
