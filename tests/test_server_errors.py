@@ -560,6 +560,21 @@ def test_a_large_input_that_fits_is_served(
     assert counting_small and decode(engine.prompts[-1]).count("plum") == 400
 
 
+def test_reasoning_the_render_drops_is_no_excess(
+    small_client: TestClient, engine: ScriptedEngine, counting_small: list[str]
+) -> None:
+    """Reasoning before the last final answer renders to nothing: however long, it is no part
+    of a lower bound of the prompt's tokens (counted or by characters)."""
+    reasoning = {"type": "reasoning", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "ponder " * 4000}]}  # fmt: skip
+    final = {"role": "assistant", "content": "Apples."}
+    items = [{"role": "user", "content": "Fruit?"}, reasoning, final,
+             {"role": "user", "content": "Why?"}]  # fmt: skip
+    response = small_client.post("/v1/responses", json=with_base(input=items))
+    assert response.status_code == 200, response.text
+    assert "ponder" not in decode(engine.prompts[-1])
+
+
 def test_a_request_body_over_the_limit_is_a_413(engine: ScriptedEngine) -> None:
     with make_client(engine, ServerConfig(max_request_bytes=4096)) as small_limit:
         response = small_limit.post("/v1/responses", json=with_base(input="word " * 1000))

@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from gptoss_serve.harmony import adapter
-from gptoss_serve.harmony.conversation import FunctionCall, FunctionCallOutput, Item, RenderRequest
+from gptoss_serve.harmony.conversation import (
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    Reasoning,
+    RenderRequest,
+)
 from gptoss_serve.harmony.render import render_prompt
 from gptoss_serve.harmony.token_count import count_tokens
 from gptoss_serve.server.errors import APIError, bad_request
@@ -45,7 +51,7 @@ def token_bounds(items: Sequence[Item], context: int) -> list[int]:
         if newer >= context:
             break
         text = _item_text(items[index])
-        if len(text) >= LARGE_ITEM_CHARS:
+        if len(text) >= LARGE_ITEM_CHARS and not isinstance(items[index], Reasoning):
             bounds[index] = max(bounds[index], count_tokens(text, limit=context - newer))
         newer += bounds[index]
     return bounds
@@ -148,7 +154,9 @@ def _item_chars(item: Item) -> int:
 
 def _chars_bound(item: Item) -> int:
     """A lower bound of an item's tokens: o200k's longest token is 128 bytes, a character at
-    least one byte."""
+    least one byte. 0 for reasoning, which the render drops before the last final answer."""
+    if isinstance(item, Reasoning):
+        return 0
     return -(-_item_chars(item) // adapter.MAX_TOKEN_BYTES)
 
 
