@@ -166,8 +166,9 @@ def main() -> int:
     rows = []
     for step_ms in args.step_ms:
         server, core = serve(
-            step_ms, args.output_len + 16, args.port, args.loop, args.http, args.host_ms
-        )
+            step_ms, args.output_len + 16, args.port, loop=args.loop, http=args.http,
+            host_ms=args.host_ms,
+        )  # fmt: skip
         summary_path = args.out.with_name(f"_server_overhead_{step_ms}.json")
         started = time.process_time()
         command = [
