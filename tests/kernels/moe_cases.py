@@ -14,6 +14,10 @@ import importlib.util
 import logging
 import math
 import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,6 +134,25 @@ def check_against_reference(x: torch.Tensor, weights: MoeWeights, tiles=None) ->
 def compile_sm90(kernel, constexprs: dict, pointers: dict, options: dict) -> str:
     """PTX of ``kernel`` compiled by Triton's own ptxas for sm_90 (no GPU needed), with 16-byte
     aligned pointers and integer arguments (as at 120b shapes)."""
+    return _compiled_sm90(kernel, constexprs, pointers, options).asm["ptx"]
+
+
+def sm90_registers(kernel, constexprs: dict, pointers: dict, options: dict) -> int:
+    """Registers a thread of ``kernel`` compiled as ``compile_sm90`` does, read from the cubin
+    by the cuobjdump that ships with Triton."""
+    import triton  # noqa: PLC0415
+
+    compiled = _compiled_sm90(kernel, constexprs, pointers, options)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def _compiled_sm90(kernel, constexprs: dict, pointers: dict, options: dict):
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
@@ -151,4 +174,4 @@ def compile_sm90(kernel, constexprs: dict, pointers: dict, options: dict) -> str
         if signature[name] != "constexpr" and name not in scalars
     }
     source = ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
