@@ -64,7 +64,8 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     install_error_handlers(app)
     model = ModelObject(id=engine.info.model_name, created=engine.info.created_at)
 
-    @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, **_SSE_DOC})
+    @app.post("/v1/responses", response_model=ResponseObject,
+              responses={**_ERRORS, 413: {"model": ErrorResponse}, **_SSE_DOC})  # fmt: skip
     async def create_response(body: CreateResponseRequest, request: Request):
         _check_previous_ended(runs, body.previous_response_id)
         prepared = await prepare(body, engine, store, config)
