@@ -59,7 +59,6 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     runs = BackgroundRuns(engine, store, metrics)
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
-    app.state.max_request_bytes = config.max_request_bytes
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     install_error_handlers(app)
     model = ModelObject(id=engine.info.model_name, created=engine.info.created_at)

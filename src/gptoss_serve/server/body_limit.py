@@ -28,9 +28,9 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        error = too_large(self.max_bytes)
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            error = too_large(self.max_bytes)
             await JSONResponse(error.body(), status_code=413)(scope, receive, send)
             return
         received = 0
@@ -41,7 +41,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:  # the route's body read: errors.py answers it
-                    raise HTTPException(413)
+                    raise HTTPException(413, error.message)
             return message
 
         await self.app(scope, counted, send)

@@ -161,11 +161,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        if error.status_code == 413:  # body_limit.py, while the route reads the body
-            api_error = too_large(app.state.max_request_bytes)
-        else:
-            code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-            api_error = APIError(error.status_code, str(error.detail), code=code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            error.status_code
+        )
+        api_error = APIError(error.status_code, str(error.detail), code=code)
         return JSONResponse(api_error.body(), status_code=error.status_code)
 
     @app.exception_handler(Exception)
