@@ -20,6 +20,7 @@ measure 1.1-1.9e-3 and <= 5.1e-3. Run with ``--log-cli-level=INFO`` to see the e
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -426,3 +427,39 @@ def test_prefill_gpu(num_new: int, cached: int, window: int | None) -> None:
 def test_prefill_gpu_ragged(window: int | None) -> None:
     # Fresh prompts, chunks on top of caches, and a decode-like single token, in one batch.
     _check_prefill_gpu([1, 1017, 549, 5100, 300], [1, 17, 512, 100, 300], window)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for the GPU")
+def test_small_batch_decode_reads_its_uploads_before_the_pdl_wait() -> None:
+    """The q/k/v kernel (sm_90 build) lets the decode attention launch at its start, and the
+    attention of up to 16 sequences reads the lengths and block tables and asks L2 for its
+    first K/V tile before its wait; q is read after it (bench/RESULTS.md v17)."""
+    from moe_cases import compile_sm90  # noqa: PLC0415
+
+    from gptoss_serve.kernels import _attention_decode, _qkv_rope  # noqa: PLC0415
+
+    tiles = _attention_decode.gpu_tiles_for(1)
+    assert tiles.prefetch and not _attention_decode.gpu_tiles_for(17).prefetch
+    bf16 = ("q_ptr", "k_ptr", "v_ptr", "sinks_ptr", "out_ptr")
+    pointers = {name: "*bf16" for name in bf16} | {"seq_lens_ptr": "*i32", "table_ptr": "*i32"}
+    pointers |= {name: "*fp32" for name in ("part_m_ptr", "part_l_ptr", "part_acc_ptr")}
+    constexprs = dict(NUM_HEADS=64, GROUP=8, BLOCK_G=16, HEAD_DIM=64, PAGE_SIZE=16,
+                      BLOCK_N=tiles.block_n, SPLIT_MIN=tiles.split_min, HAS_WINDOW=False,
+                      FOLD_SINK=False, PDL=True, PREFETCH=True)  # fmt: skip
+    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    ptx = compile_sm90(_attention_decode._decode_kernel, constexprs, pointers, options)
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    assert "prefetch.global.L2" in before and "prefetch.global.L2" not in after
+    assert "ld.global" in before  # the length and the first tile's block-table entries
+    assert ".local" not in ptx
+
+    qkv = dict(A=64, KV=8, HALF=32, K=2880, K_PAD=4096, T_PAD=1, BP=2, PDL=True,
+               INTERPRET=False)  # fmt: skip
+    pointers = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16",
+                "cos_sin_ptr": "*fp32", "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16",
+                "v_cache_ptr": "*bf16", "positions_ptr": "*i32",
+                "slot_mapping_ptr": "*i32"}  # fmt: skip
+    ptx = compile_sm90(_qkv_rope._qkv_rope_kernel, qkv, pointers, dict(num_warps=8))
+    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")

@@ -30,6 +30,7 @@ from gptoss_serve.kernels._attention_common import (
     load_rows,
     softmax_update,
 )
+from gptoss_serve.kernels._moe_common import _prefetch_line
 
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # target grid: several programs per SM, so many loads are in flight
@@ -42,6 +43,8 @@ class DecodeTiles:
     num_warps: int
     num_stages: int
     programs_per_sm: int = PROGRAMS_PER_SM  # the grid's target (choose_num_splits)
+    # Each split's first K/V tile asked of L2 before the PDL wait (_decode_kernel)
+    prefetch: bool = False
 
 
 # H200, by batch (the first entry with batch <= its bound serves it; a CUDA graph's grid is
@@ -55,10 +58,15 @@ class DecodeTiles:
 # 13.00 -> 2.40 / 12.87 ms. At batch 32 they lose from 8k context (3.90 -> 3.24 TB/s).
 # From 33 sequences a grid of 2 programs an SM, i.e. one split (no merge kernel) where 4
 # gave two: the whole step at batch 64, 1k / 8k context, 22.78-22.85 -> 22.59 / 27.66-27.74
-# -> 27.15 ms (at batch 32, 3 splits -> 2: even).
+# -> 27.15 ms (at batch 32, 3 splits -> 2: even). Since v17 the first row's programs ask L2 for
+# their first K/V tile before the PDL wait, while the q/k/v kernel before them runs (it lets
+# them launch at its start): at batch 1 every split is one tile up to 8k keys. Whole 120b
+# step, H100 (bench/RESULTS.md v17): batch 1 1k / 8k / 32k 2.567 / 2.700 / 3.000 -> 2.569 /
+# 2.679 / 2.984 ms, batch 2 3.635 -> 3.608; batch 8 / 16 even (8.057-8.083 / 13.93 against
+# 8.069-8.090 / 13.93-13.95; there the q/k/v run through cuBLAS and nothing waits early).
 _MANY_SEQS = DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)
 GPU_TILES: tuple[tuple[int, DecodeTiles], ...] = (
-    (16, DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=4)),
+    (16, DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=4, prefetch=True)),
     (32, _MANY_SEQS),
     (1 << 30, dataclasses.replace(_MANY_SEQS, programs_per_sm=2)),
 )
@@ -109,6 +117,19 @@ def _split_bounds(seq_len, window, num_splits, split_id, HAS_WINDOW: tl.constexp
     return start, end, num_active
 
 
+@triton.jit
+def _prefetch_tile(k_ptr, v_ptr, table_row, start, end, head_offset, stride_cb, stride_ct,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Asks L2 for the K and V rows of keys [start, min(start + BLOCK_N, end)) of one KV head
+    (a 64-dim bf16 row is one 128-byte line)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_mask = keys < end
+    offsets = key_row_offsets(table_row, keys, key_mask, stride_cb, stride_ct, PAGE_SIZE)
+    offsets += head_offset
+    _prefetch_line(k_ptr + offsets, key_mask)
+    _prefetch_line(v_ptr + offsets, key_mask)
+
+
 # do_not_specialize: counts that vary by step compile once, not per value class (compile_watch.py)
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
@@ -119,18 +140,26 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_MIN: tl.constexpr, HAS_WINDOW: tl.constexpr, FOLD_SINK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    if PDL:  # q and this step's K/V come from the previous kernel
-        gdc_wait()
-        gdc_launch_dependents()
+    """Lengths and block tables are the step's uploads, not the previous kernel's output, so
+    they are read before the PDL wait. PREFETCH: so are the split's first tile of K and V rows
+    asked of L2 (lines of earlier steps' keys; the newest, this step's, is written through L2
+    by the previous kernel, so the loop's loads after the wait see it either way)."""
     kv_head = tl.program_id(0)  # fastest: the 8 heads of one split share DRAM pages
     split_id = tl.program_id(1)
     seq = tl.program_id(2)
+    table_row = table_ptr + seq * stride_tb
     seq_len = tl.load(seq_lens_ptr + seq)
     start, end, num_active = _split_bounds(
         seq_len, window, num_splits, split_id, HAS_WINDOW, BLOCK_N, SPLIT_MIN
     )
+    if PREFETCH:
+        _prefetch_tile(k_ptr, v_ptr, table_row, start, end, kv_head * stride_ch, stride_cb,
+                       stride_ct, PAGE_SIZE, BLOCK_N)  # fmt: skip
+    if PDL:  # q and this step's K/V come from the previous kernel
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.arange(0, BLOCK_G)  # query heads of this group, padded to >= 16 rows
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows
@@ -151,7 +180,6 @@ def _decode_kernel(
         l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
 
-    table_row = table_ptr + seq * stride_tb
     for tile_start in range(start, end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_mask = keys < end
@@ -245,8 +273,8 @@ def launch_decode(
         qk_scale=scale * LOG2E_FLOAT, NUM_HEADS=num_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=tiles.block_n, SPLIT_MIN=tiles.split_min, HAS_WINDOW=window is not None,
-        FOLD_SINK=fold_sink, PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        launch_pdl=pdl,
+        FOLD_SINK=fold_sink, PDL=pdl, PREFETCH=tiles.prefetch and q.is_cuda,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if not fold_sink:
         _combine_kernel[(num_heads, batch)](

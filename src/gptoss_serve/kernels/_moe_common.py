@@ -1,4 +1,5 @@
-"""Triton helpers shared by the MoE kernels, with the workarounds the interpreter needs.
+"""Triton helpers shared by the MoE kernels (and some others), with the workarounds the
+interpreter needs.
 
 Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU test path) multiplies bf16 operands of
 tl.dot as raw 16-bit integers and truncates fp32 -> bf16 casts, where the GPU rounds to
@@ -43,3 +44,16 @@ def _num_valid(valid_rows_ptr, num_entries, PER_ROW: tl.constexpr = 1):
     if valid_rows_ptr is not None:
         count = tl.minimum(tl.load(valid_rows_ptr) * PER_ROW, num_entries)
     return count
+
+
+@triton.jit
+def _prefetch_line(ptrs, mask):
+    """prefetch.global.L2 of the line holding each pointer (where ``mask``)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p prefetch.global.L2 [$1]; }",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

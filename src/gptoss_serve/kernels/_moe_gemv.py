@@ -44,7 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gptoss_serve.kernels._moe_common import _dot
+from gptoss_serve.kernels._moe_common import _dot, _prefetch_line
 from gptoss_serve.kernels.mxfp4_layout import stored_groups
 
 # Groups a row holds in blocks (and scales) stored in bands of LB rows, as a constexpr.
@@ -229,19 +229,6 @@ def _load_scale(ptrs, mask, PTX: tl.constexpr):
             pack=1,
         )
     return tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _prefetch_line(ptrs, mask):
-    """prefetch.global.L2 of the line holding each pointer (where ``mask``)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p prefetch.global.L2 [$1]; }",
-        "=r,l,r",
-        [ptrs, mask.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit

@@ -37,7 +37,16 @@ def _qkv_rope_kernel(
     K_PAD: tl.constexpr, T_PAD: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """BP NeoX pairs of the (A + 2·KV) heads' rows, every token m < num_tokens (≤ T_PAD)."""
+    """BP NeoX pairs of the (A + 2·KV) heads' rows, every token m < num_tokens (≤ T_PAD).
+
+    PDL: the next kernel (decode attention) may launch as this one's programs start. Its
+    programs then read the lengths and block tables and ask L2 for their first K/V tile while
+    this kernel runs (_attention_decode._decode_kernel's PREFETCH). Alone, the early trigger
+    lost (v8; again in v17: the waiting programs only sit beside this stream); with the
+    prefetch on, it took the whole 120b step on the H100 from 2.73 to 2.68 ms at batch 1 and
+    8k context, 3.66 to 3.61 ms at batch 2 (bench/RESULTS.md v17)."""
+    if PDL:
+        gdc_launch_dependents()
     NUM_PAIRS: tl.constexpr = (A + 2 * KV) * HALF
     pairs = tl.program_id(0) * BP + tl.arange(0, BP)
     pair_mask = pairs < NUM_PAIRS
@@ -92,8 +101,6 @@ def _qkv_rope_kernel(
     v_type = v_cache_ptr.dtype.element_ty
     tl.store(v_ptrs, first.to(v_type), mask=is_v)
     tl.store(v_ptrs + HALF, second.to(v_type), mask=is_v)
-    if PDL:  # late: the next kernel's programs launched at this one's start slowed it (v8)
-        gdc_launch_dependents()
 
 
 def qkv_rope_triton(
