@@ -163,22 +163,12 @@ def _part_groups(part, G: tl.constexpr, SPLIT_GROUPS: tl.constexpr):
 
 
 @triton.jit
-def _token_routing(logits_ptr, token, E: tl.constexpr, TOP_K: tl.constexpr):
-    """(expert ids [K_PAD] int32, routing weights [K_PAD] fp32) of one token from its logits."""
-    E_PAD: tl.constexpr = triton.next_power_of_2(E)
-    K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
-    experts = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + token * E + experts, mask=experts < E, other=float("-inf"))
-    ids, weights = _topk_softmax(logits[None, :], TOP_K, K_PAD)
-    return tl.reshape(ids, [K_PAD]), tl.reshape(weights, [K_PAD])
-
-
-@triton.jit
 def _token_slot_routing(logits_ptr, token, slot, E: tl.constexpr, TOP_K: tl.constexpr,
                         COPIES: tl.constexpr):  # fmt: skip
     """(expert id, routing weight) of slot ``slot`` of one token, from its logits: each of
     COPIES rows (one per warp) holds all the logits and runs the top-k on its own, so its
-    reductions stay inside a warp (shuffles, no barrier); only the final pick crosses warps."""
+    reductions stay inside a warp (shuffles, no barrier); only the final pick crosses warps.
+    COPIES = 1: one row spread over all the program's warps."""
     E_PAD: tl.constexpr = triton.next_power_of_2(E)
     K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
     experts = tl.arange(0, E_PAD)[None, :]
@@ -200,22 +190,13 @@ def _pair_expert(
     """The expert of ``pair``: given (ROUTED), or from its token's logits, by WARP_TOPK warps
     each on its own copy (``_token_slot_routing``) or by the whole program; then the programs
     of row tile 0 write the pair's expert id and routing weight."""
-    token = pair // TOP_K
     if ROUTED:
         expert = tl.load(expert_ids_ptr + pair)
-    elif WARP_TOPK:
-        expert, weight = _token_slot_routing(logits_ptr, token, pair % TOP_K, E, TOP_K,
-                                             WARP_TOPK)  # fmt: skip
-        if col_block == 0:
-            tl.store(expert_ids_ptr + pair, expert)
-            tl.store(routing_weights_ptr + pair, weight)
     else:
-        ids, weights = _token_routing(logits_ptr, token, E, TOP_K)
-        slots = tl.arange(0, ids.shape[0])
-        expert = tl.sum(tl.where(slots == pair % TOP_K, ids, 0), axis=0)
+        expert, weight = _token_slot_routing(logits_ptr, pair // TOP_K, pair % TOP_K, E, TOP_K,
+                                             max(WARP_TOPK, 1))  # fmt: skip
         if col_block == 0:
             tl.store(expert_ids_ptr + pair, expert)
-            weight = tl.sum(tl.where(slots == pair % TOP_K, weights, 0.0), axis=0)
             tl.store(routing_weights_ptr + pair, weight)
     return expert
 
