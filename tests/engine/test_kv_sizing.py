@@ -15,6 +15,7 @@ from gptoss_serve.engine.kv_sizing import (
     KvCacheSpec,
     kv_cache_bytes,
     plan_kv_cache,
+    seqs_that_fit,
 )
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -96,3 +97,27 @@ def test_too_little_memory_for_one_full_block_is_an_error() -> None:
     spec = KvCacheSpec.from_model_config(_model("120b"))
     with pytest.raises(KvCacheSizeError, match="sliding-window layers take"):
         plan_kv_cache(spec, 100 * 2**20, max_num_seqs=256, max_num_batched_tokens=8192)
+
+
+def test_seqs_that_fit_is_the_largest_count_whose_plan_holds_them() -> None:
+    """An 80 GB card's KV budget for 120b (~6 GiB): 1024 sequences' sliding windows leave room
+    for fewer than two sequences of 2048 tokens (5.5 GiB: not one block), while the count
+    seqs_that_fit gives plans a cache holding that many, and one more does not fit."""
+    spec = KvCacheSpec.from_model_config(_model("120b"))
+    budget, tokens, chunk = 6 * GIB, 2048, 8192
+    crowded = plan_kv_cache(spec, budget, max_num_seqs=1024, max_num_batched_tokens=chunk)
+    assert crowded.max_num_tokens < 2 * tokens
+    with pytest.raises(KvCacheSizeError, match="sliding-window layers take"):
+        plan_kv_cache(spec, int(5.5 * GIB), max_num_seqs=1024, max_num_batched_tokens=chunk)
+    fit = seqs_that_fit(spec, budget, tokens_per_seq=tokens, max_num_batched_tokens=chunk)
+    # Per sequence: 128 full blocks + 9 sliding ones (+ one block of chunk spread) of 576 KiB.
+    assert 70 < fit < budget // (137 * spec.full_block_bytes)
+    for seqs, fits in ((fit, True), (fit + 1, False)):
+        plan = plan_kv_cache(spec, budget, max_num_seqs=seqs, max_num_batched_tokens=chunk)
+        assert (plan.max_num_tokens >= seqs * tokens) is fits
+    spares = seqs_that_fit(spec, budget, tokens_per_seq=tokens, max_num_batched_tokens=chunk,
+                           num_spare_sliding_blocks=2000)  # fmt: skip
+    assert spares < fit
+    assert seqs_that_fit(spec, 2**20, tokens_per_seq=tokens, max_num_batched_tokens=chunk) == 0
+    with pytest.raises(ValueError, match="tokens_per_seq"):
+        seqs_that_fit(spec, budget, tokens_per_seq=0, max_num_batched_tokens=chunk)

@@ -18,7 +18,7 @@ import torch
 
 from gptoss_serve.benchmarks import engine_bench as eb
 from gptoss_serve.config import EngineConfig, SamplingParams
-from gptoss_serve.engine.startup import build_engine
+from gptoss_serve.engine.startup import build_engine, seqs_that_fit_gpu
 from gptoss_serve.engine.weights import ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 FIT_CAP_GB = 80.0
 FIT_CONTEXT = 128 * 1024  # tokens of context the capped process must serve
 FIT_OUTPUT_TOKENS = 16
+DECODE_BATCHES = (8, 32, 64)  # the concurrent decode figures
+THROUGHPUT_LENGTH = 1024  # prompt and output tokens of each max-throughput sequence
 
 
 def run_engine_bench(
@@ -34,6 +36,7 @@ def run_engine_bench(
 ) -> dict:  # fmt: skip
     model = weights.config
     started = time.perf_counter()
+    config = _fit_seats(weights, config)
     make_core, _, plan = build_engine(weights, config)
     logger.warning("engine ready in %.1fs: %d KV tokens", time.perf_counter() - started,
                    plan.max_num_tokens)  # fmt: skip
@@ -52,7 +55,7 @@ def run_engine_bench(
     eb.decode_tok_s(make_core, model, batch=1, context=1024, num_tokens=16)
     decode("decode_bs1_ctx1k_tok_s", 1, 1024)
     decode("decode_bs1_ctx8k_tok_s", 1, 8192)
-    for batch in (8, 32, 64):
+    for batch in DECODE_BATCHES:
         decode(f"decode_conc{batch}_tok_s", batch, 1024)
     prefill_ceiling = eb.prefill_ceiling_tok_s(model)
     for length in (2048, 8192):
@@ -61,8 +64,9 @@ def run_engine_bench(
     ttft = eb.ttft_ms(make_core, model, 1024)
     figures.append(eb.Figure("ttft_1k_ms", ttft, None, "ms"))
     # As many sequences as fit (each holds 2k tokens at its end), up to ``throughput_seqs``.
-    seqs = min(throughput_seqs, plan.max_num_tokens // 2048)
-    value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=1024)
+    seqs = min(throughput_seqs, config.scheduler.max_num_seqs,
+               plan.max_num_tokens // (2 * THROUGHPUT_LENGTH))  # fmt: skip
+    value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=THROUGHPUT_LENGTH)
     ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536)
     figures.append(eb.Figure("max_throughput_tok_s", value, ceiling, f"tok/s ({seqs} seqs)"))
     figures.append(eb.Figure("peak_gpu_memory_gb", eb.peak_memory_gb(weights.device), None, "GB"))
@@ -78,6 +82,23 @@ def run_engine_bench(
                      "async_scheduling": config.async_scheduling},
         "figures": figures,
     }  # fmt: skip
+
+
+def _fit_seats(weights: ModelWeights, config: EngineConfig) -> EngineConfig:
+    """``config`` with max_num_seqs lowered to the max-throughput sequences (2k tokens each)
+    that fit this GPU, where the requested ones do not (on an 80 GB card the default 1024
+    would leave the sliding windows' reserve no room for full-attention blocks), but never
+    below the largest decode batch measured."""
+    if weights.device.type != "cuda" or config.kv_cache_tokens is not None:
+        return config
+    fit = seqs_that_fit_gpu(weights, config, tokens_per_seq=2 * THROUGHPUT_LENGTH)
+    requested = config.scheduler.max_num_seqs
+    if fit >= requested:
+        return config
+    seats = max(fit, *DECODE_BATCHES)
+    logger.warning("max_num_seqs %d -> %d: %d sequences of %d tokens fit the KV cache",
+                   requested, seats, fit, 2 * THROUGHPUT_LENGTH)  # fmt: skip
+    return replace(config, scheduler=replace(config.scheduler, max_num_seqs=seats))
 
 
 def run_fit_check(weights: ModelWeights, config: EngineConfig) -> int:

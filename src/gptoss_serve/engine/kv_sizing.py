@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
-from gptoss_serve.engine.kv_manager import sliding_pool_bound
+from gptoss_serve.engine.kv_manager import cdiv, sliding_pool_bound
 
 logger = logging.getLogger(__name__)
 
@@ -152,3 +152,35 @@ def plan_kv_cache(
         num_full, plan.max_num_tokens, num_sliding, plan.num_bytes / GIB,
     )  # fmt: skip
     return plan
+
+
+def seqs_that_fit(
+    spec: KvCacheSpec,
+    num_bytes: int,
+    *,
+    tokens_per_seq: int,
+    max_num_batched_tokens: int,
+    num_spare_sliding_blocks: int = 0,
+) -> int:
+    """The most sequences that ``num_bytes`` of KV cache holds at once with ``tokens_per_seq``
+    tokens of context each: their full-attention blocks plus the sliding pool that
+    ``plan_kv_cache`` reserves for that many running sequences (0 if not even one fits)."""
+    if tokens_per_seq < 1:
+        raise ValueError(f"tokens_per_seq must be >= 1, got {tokens_per_seq}")
+
+    def needed(num_seqs: int) -> int:
+        sliding = 0
+        if spec.num_sliding_layers:
+            sliding = num_spare_sliding_blocks + sliding_pool_bound(
+                spec.sliding_window, num_seqs, max_num_batched_tokens
+            )
+        full = num_seqs * cdiv(tokens_per_seq, BLOCK_SIZE)
+        return sliding * spec.sliding_block_bytes + full * spec.full_block_bytes
+
+    low, high = 0, 1  # needed(low) fits; grow high until it does not
+    while needed(high) <= num_bytes:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if needed(middle) <= num_bytes else (low, middle)
+    return low

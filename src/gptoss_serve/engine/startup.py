@@ -29,6 +29,7 @@ from gptoss_serve.engine.kv_sizing import (
     KvCacheSpec,
     kv_cache_bytes,
     plan_kv_cache,
+    seqs_that_fit,
 )
 from gptoss_serve.engine.model_runner import ModelRunner, SamplingBatch
 from gptoss_serve.engine.ops import REFERENCE_OPS, Ops, kernel_ops
@@ -49,12 +50,7 @@ def build_engine(
     """Returns a factory of engine cores (a fresh scheduler over the same runner and cache:
     what a failed step restarts with), the runner, and the KV cache plan."""
     model = weights.config
-    scheduler_config = replace(
-        config.scheduler,
-        max_model_len=min(config.scheduler.max_model_len, model.max_position_embeddings),
-    )
-    ops = REFERENCE_OPS if config.reference_ops else kernel_ops(pdl=config.programmatic_launch)
-    spec = KvCacheSpec.from_model_config(model, dtype_bytes=weights.dtype.itemsize)
+    scheduler_config, ops, spec = _engine_parts(weights, config)
     plan = _plan(weights, config, scheduler_config, spec, ops)
     kv = allocate_kv_cache(
         model,
@@ -98,6 +94,20 @@ def build_async_engine(weights: ModelWeights, model_name: str, config: EngineCon
     return AsyncEngine(make_core, info)
 
 
+def _engine_parts(
+    weights: ModelWeights, config: EngineConfig
+) -> tuple[SchedulerConfig, Ops, KvCacheSpec]:
+    """The scheduler settings (max_model_len capped by the model's), the ops and the KV cache's
+    shape that an engine of ``config`` over ``weights`` runs with."""
+    scheduler = replace(
+        config.scheduler,
+        max_model_len=min(config.scheduler.max_model_len, weights.config.max_position_embeddings),
+    )
+    ops = REFERENCE_OPS if config.reference_ops else kernel_ops(pdl=config.programmatic_launch)
+    spec = KvCacheSpec.from_model_config(weights.config, dtype_bytes=weights.dtype.itemsize)
+    return scheduler, ops, spec
+
+
 def _plan(
     weights: ModelWeights,
     config: EngineConfig,
@@ -113,10 +123,23 @@ def _plan(
                 spec.sliding_window, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
             )
         return KvCachePlan(cdiv(tokens, BLOCK_SIZE), num_sliding, spec)
+    return plan_kv_cache(
+        spec,
+        _kv_cache_bytes(weights, config, scheduler, ops),
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        num_spare_sliding_blocks=config.num_spare_sliding_blocks,
+    )
+
+
+def _kv_cache_bytes(
+    weights: ModelWeights, config: EngineConfig, scheduler: SchedulerConfig, ops: Ops
+) -> int:
+    """Device bytes the KV cache may take under the config's cap, after one step's peak."""
     peak = profile_step_memory(weights, scheduler, ops)
     free, total = torch.cuda.mem_get_info(weights.device)
     max_bytes = None if config.max_gpu_memory_gb is None else int(config.max_gpu_memory_gb * 1e9)
-    num_bytes = kv_cache_bytes(
+    return kv_cache_bytes(
         total_bytes=total,
         free_bytes=free,
         used_bytes=torch.cuda.memory_reserved(weights.device),
@@ -124,10 +147,18 @@ def _plan(
         max_gpu_memory_bytes=max_bytes,
         reserve_bytes=peak + RESERVE_BYTES,
     )
-    return plan_kv_cache(
+
+
+def seqs_that_fit_gpu(weights: ModelWeights, config: EngineConfig, *, tokens_per_seq: int) -> int:
+    """How many sequences of ``tokens_per_seq`` tokens of context each the KV cache could hold
+    at once on this GPU under ``config`` (full-attention blocks and sliding windows;
+    ``kv_sizing.seqs_that_fit``), measured as ``build_engine`` sizes the cache. A step's peak
+    is measured at the config's ``max_num_seqs``, so the answer errs low for fewer."""
+    scheduler, ops, spec = _engine_parts(weights, config)
+    return seqs_that_fit(
         spec,
-        num_bytes,
-        max_num_seqs=scheduler.max_num_seqs,
+        _kv_cache_bytes(weights, config, scheduler, ops),
+        tokens_per_seq=tokens_per_seq,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         num_spare_sliding_blocks=config.num_spare_sliding_blocks,
     )
