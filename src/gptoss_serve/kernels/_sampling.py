@@ -36,6 +36,10 @@ import triton.language as tl
 # smaller programs win: fp32 logits, batch 1 on the H200, all passes 64 us at 1024 against
 # 133 us at 4096 and 447 us at 16384 (bench/step_profile.py).
 CHUNK = 1024
+# Tokens per step of a search program's loop: its [SEARCH_TILE, 16] partial masses stay in
+# registers (128: 884 us for the whole sampler at batch 64 on the H100, 256: 968, 512: 1,089;
+# batch 1 56 / 51 / 49 us). Fixed, like CHUNK: the sums' order must not depend on the batch.
+SEARCH_TILE = 128
 RADIX_BITS = tl.constexpr(4)
 NUM_DIGITS = tl.constexpr(16)  # 2**RADIX_BITS candidates per search pass
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -147,16 +151,19 @@ def _search_kernel(
                 tl.store(prefix_ptr + row * NUM_PASSES + PASS, prefix)
         # [NUM_DIGITS] candidate thresholds of this pass
         candidates = prefix + (tl.arange(0, NUM_DIGITS).to(tl.int64) << (28 - RADIX_BITS * PASS))
-        masses = tl.zeros([NUM_DIGITS], tl.float32)
+        # The [TILE, 16] candidate masses add up in registers; one reduction a chunk. (A
+        # reduction a tile, with a skip of tiles wholly below the prefix, cost a reduction and
+        # a barrier each: H100, the whole sampler at fp32 logits, batch 1 / 8 / 64, 62 / 178 /
+        # 1,188 -> 56 / 138 / 884 us.)
+        acc = tl.zeros([TILE, NUM_DIGITS], tl.float32)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         for i in range(0, CHUNK, TILE):
             ids = chunk * CHUNK + i + tl.arange(0, TILE)
             x = tl.load(row_ptr + ids, mask=ids < vocab, other=-float("inf")).to(tl.float32)
-            keys = _order_key(x)
-            if tl.max(keys, axis=0) >= prefix:  # a tile wholly below adds to no candidate
-                mass = tl.where(ids < vocab, tl.exp2((x - row_max) * scale), 0.0)
-                kept = keys[:, None] >= candidates[None, :]  # [TILE, NUM_DIGITS]
-                masses += tl.sum(tl.where(kept, mass[:, None], 0.0), axis=0)
+            mass = tl.where(ids < vocab, tl.exp2((x - row_max) * scale), 0.0)
+            kept = _order_key(x)[:, None] >= candidates[None, :]  # [TILE, NUM_DIGITS]
+            acc += tl.where(kept, mass[:, None], 0.0)
+        masses = tl.sum(acc, axis=0)
         out = mass_ptr + ((PASS % 2) * num_rows + row) * num_chunks * NUM_DIGITS
         tl.store(out + chunk * NUM_DIGITS + tl.arange(0, NUM_DIGITS), masses)
 
@@ -269,7 +276,7 @@ def sample_tokens_triton(
         _search_kernel[grid](
             logits, row_stride, temperature, top_p, part_max, part_sum, prefixes, masses,
             vocab, num_rows, num_chunks, PASS=pass_index, NUM_PASSES=num_passes,
-            TILE=min(chunk, 256), **sizes,
+            TILE=min(chunk, SEARCH_TILE), **sizes,
         )  # fmt: skip
     _sample_kernel[grid](
         logits, row_stride, temperature, top_p, seeds, steps, part_max, part_sum, prefixes,
