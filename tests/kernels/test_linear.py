@@ -1,4 +1,5 @@
-"""The dense GEMV (kernels/linear.py) against torch's linear in float32, on odd shapes with
+"""The dense projection's Triton kernels (kernels/linear.py: the GEMV up to GEMV_MAX_TOKENS, the
+tensor-core kernel up to MMA_MAX_TOKENS) against torch's linear in float32, on odd shapes with
 poisoned padding: rows past the weight's end and columns past each activation row are NaN."""
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ import pytest
 import torch
 from compare import assert_close
 
-from gptoss_serve.kernels.linear import GEMV_MAX_TOKENS, GemvTiles, linear, linear_reference
+from gptoss_serve.kernels.linear import (
+    GEMV_MAX_TOKENS,
+    MMA_MAX_TOKENS,
+    GemvTiles,
+    MmaTiles,
+    linear,
+    linear_reference,
+    mma_applies,
+)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter = pytest.mark.skipif(
@@ -44,10 +53,15 @@ def _expected(x, weight, bias) -> torch.Tensor:
 
 
 def _check(num_tokens, num_rows, k, device, out_dtype, *, has_bias=True, tiles=None) -> None:
+    """The GEMV, or with MmaTiles the tensor-core kernel."""
     from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415 (needs triton)
+    from gptoss_serve.kernels._linear_mma import linear_mma_triton  # noqa: PLC0415
 
     x, weight, bias = _inputs(num_tokens, num_rows, k, device, has_bias=has_bias)
-    actual = linear_triton(x, weight, bias, out_dtype, tiles or GemvTiles())
+    if isinstance(tiles, MmaTiles):
+        actual = linear_mma_triton(x, weight, bias, out_dtype, tiles)
+    else:
+        actual = linear_triton(x, weight, bias, out_dtype, tiles or GemvTiles())
     assert actual.dtype == out_dtype and actual.shape == (num_tokens, num_rows)
     assert_close(actual, _expected(x, weight, bias), **TOLERANCE[out_dtype])
 
@@ -90,11 +104,43 @@ def test_gemv_gpu_tiles(tiles: GemvTiles) -> None:
     _check(2, 5121, 2880, "cuda", torch.float32, tiles=tiles)
 
 
+@interpreter
+@pytest.mark.parametrize("num_tokens", [3, 17])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_mma_interpreted(num_tokens: int, out_dtype: torch.dtype) -> None:
+    """Ragged rows (37 of 16-row tiles) and K (200: a masked last step of 64 columns); 17
+    tokens: 32 MMA columns, 15 of them padding."""
+    tiles = MmaTiles(rows=16, block_k=64, num_stages=2, num_warps=4)
+    _check(num_tokens, 37, 200, "cpu", out_dtype, tiles=tiles)
+    _check(num_tokens, 16, 128, "cpu", out_dtype, has_bias=False, tiles=tiles)
+
+
+def test_mma_takes_the_tokens_between_the_gemv_and_cublas() -> None:
+    x = torch.zeros(MMA_MAX_TOKENS + 1, 64, dtype=torch.bfloat16)
+    weight = torch.zeros(32, 64, dtype=torch.bfloat16)
+    taken = [n for n in range(1, MMA_MAX_TOKENS + 2) if mma_applies(x[:n], weight, x.dtype)]
+    assert taken == list(range(GEMV_MAX_TOKENS + 1, MMA_MAX_TOKENS + 1))
+    assert not mma_applies(x[:3].float(), weight.float(), torch.float32)
+
+
+@pytest.mark.gpu
+@not_interpreted
+@pytest.mark.parametrize("num_tokens", [3, 8, 16])
+@pytest.mark.parametrize(
+    ("num_rows", "k"), [(5120, 2880), (2880, 4096), (50021, 2880)], ids=["qkv", "o", "lm_head"]
+)
+def test_mma_gpu(num_tokens: int, num_rows: int, k: int) -> None:
+    for out_dtype in (torch.bfloat16, torch.float32):
+        _check(num_tokens, num_rows, k, "cuda", out_dtype, tiles=MmaTiles())
+        _check(num_tokens, num_rows, k, "cuda", out_dtype, tiles=MmaTiles(rows=16, num_stages=3))
+
+
 @pytest.mark.gpu
 @not_interpreted
 def test_gpu_dispatch() -> None:
-    """Up to GEMV_MAX_TOKENS the GEMV, past it cuBLAS: both agree with the float32 product."""
-    for num_tokens in (1, GEMV_MAX_TOKENS + 1):
+    """Up to GEMV_MAX_TOKENS the GEMV, then the tensor-core kernel, past MMA_MAX_TOKENS cuBLAS:
+    all agree with the float32 product."""
+    for num_tokens in (1, GEMV_MAX_TOKENS + 1, MMA_MAX_TOKENS, MMA_MAX_TOKENS + 1):
         x, weight, bias = _inputs(num_tokens, 999, 2880, "cuda")
         assert_close(
             linear(x, weight, bias), _expected(x, weight, bias), **TOLERANCE[torch.bfloat16]

@@ -67,6 +67,17 @@ def _gemv_kernel(
             tl.store(out, _to_bf16(y, INTERPRET), mask=row_mask & (m < num_tokens))
 
 
+def dense_operands(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x with unit stride along K, the weight contiguous, a fresh [T, N] output) for the
+    dense kernels' launchers."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
+    return x, weight.contiguous(), out
+
+
 def linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -78,12 +89,9 @@ def linear_triton(
 ) -> torch.Tensor:
     """Launch the GEMV: x [T, K] (unit stride along K), weight [N, K] -> [T, N] out_dtype;
     ``pdl``: as a programmatic dependent launch (kernels/launch.py)."""
+    x, weight, out = dense_operands(x, weight, out_dtype)
     num_tokens, k = x.shape
     num_rows = weight.shape[0]
-    weight = weight.contiguous()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(num_tokens, num_rows, dtype=out_dtype, device=x.device)
     if num_tokens == 0:
         return out
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"

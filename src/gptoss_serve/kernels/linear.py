@@ -1,9 +1,10 @@
 """Dense projection y = x @ W^T + b for the decode step's few tokens (q/k/v, o, unembedding).
 
 With at most ``GEMV_MAX_TOKENS`` bf16 rows on CUDA it runs the Triton GEMV of ``_linear.py``
-(whole weight rows per program, all bytes in flight at once); otherwise, where the product is
-a real GEMM (prefill, large decode batches) or off the GPU, it is ``torch.nn.functional.linear``
-(cuBLAS on CUDA), which is also the reference.
+(whole weight rows per program, all bytes in flight at once); up to ``MMA_MAX_TOKENS`` rows the
+Triton kernel of ``_linear_mma.py`` (the weight rows as the MMA's left operand, streamed over
+K); otherwise, where the product is a real GEMM (prefill, large decode batches) or off the
+GPU, it is ``torch.nn.functional.linear`` (cuBLAS on CUDA), which is also the reference.
 """
 
 from __future__ import annotations
@@ -63,7 +64,40 @@ def linear(
 
         tiles = tiles or gemv_tiles_for(*weight.shape)
         return linear_triton(x, weight, bias, out_dtype, tiles, pdl=pdl_applies(pdl, x))
+    if x.is_cuda and mma_applies(x, weight, out_dtype):
+        from gptoss_serve.kernels._linear_mma import linear_mma_triton  # noqa: PLC0415
+
+        return linear_mma_triton(x, weight, bias, out_dtype, MMA_TILES, pdl=pdl_applies(pdl, x))
     return linear_reference(x, weight, bias, out_dtype=out_dtype)
+
+
+# Token counts from GEMV_MAX_TOKENS + 1 up to which the tensor-core kernel of _linear_mma.py
+# runs instead of cuBLAS: the whole 120b decode step on the H100 (bench/RESULTS.md v18), cuBLAS
+# against it, batch 3 4.70 / 4.71 against 4.46-4.49 ms, batch 4 5.43 / 5.43 against 5.21,
+# batch 8 8.08 / 8.08 against 7.84, batch 16 12.30 / 12.30 against 12.22; at 32 and 64 tokens
+# (4-stage tiles) cuBLAS was as fast or faster.
+MMA_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    rows: int = 64  # weight rows per program: the MMA's M (wgmma from 64 rows on 4 warps)
+    block_k: int = 128  # columns of K per pipelined step
+    num_stages: int = 5
+    num_warps: int = 4
+
+
+MMA_TILES = MmaTiles()
+
+
+def mma_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether ``linear`` runs the tensor-core kernel for these operands (on CUDA)."""
+    return (
+        x.dim() == 2
+        and GEMV_MAX_TOKENS < x.shape[0] <= MMA_MAX_TOKENS
+        and x.dtype == weight.dtype == torch.bfloat16
+        and out_dtype in (torch.bfloat16, torch.float32)
+    )
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
