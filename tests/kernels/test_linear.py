@@ -145,3 +145,27 @@ def test_gpu_dispatch() -> None:
         assert_close(
             linear(x, weight, bias), _expected(x, weight, bias), **TOLERANCE[torch.bfloat16]
         )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU")
+def test_mma_kernel_builds_a_pipelined_wgmma_for_sm90() -> None:
+    """The table's tiles (sm_90 build, 120b q/k/v shape, 16 token columns): the weight stream
+    goes through cp.async, the MMA is wgmma, nothing spills, and x is read only after the PDL
+    wait."""
+    from moe_cases import compile_sm90  # noqa: PLC0415
+
+    from gptoss_serve.kernels import _linear_mma  # noqa: PLC0415
+    from gptoss_serve.kernels.linear import MMA_TILES  # noqa: PLC0415
+
+    constexprs = dict(K=2880, BM=MMA_TILES.rows, BK=MMA_TILES.block_k, T_PAD=16, HAS_BIAS=True,
+                      OUT_FP32=False, PDL=True, NUM_STAGES=MMA_TILES.num_stages,
+                      INTERPRET=False)  # fmt: skip
+    pointers = {name: "*bf16" for name in ("x_ptr", "weight_ptr", "bias_ptr", "out_ptr")}
+    ptx = compile_sm90(_linear_mma._linear_mma_kernel, constexprs, pointers,
+                       dict(num_warps=MMA_TILES.num_warps))  # fmt: skip
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    assert "ld.global" not in before and "cp.async" not in before
+    assert "cp.async" in after and "wgmma" in after
+    assert ".local" not in ptx
