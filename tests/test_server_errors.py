@@ -406,9 +406,10 @@ def test_input_items_after_unknown_item(client: TestClient) -> None:
 
 @pytest.fixture()
 def small_client(engine: ScriptedEngine) -> Iterator[TestClient]:
-    """A model with a 200-token context (an empty conversation renders to ~66 tokens)."""
+    """A model with a 200-token context (an empty conversation renders to ~66 tokens); large
+    prompts render in this process, where ``renders`` counts them."""
     engine.info = EngineInfo("demo", 200, 201088, 0)
-    with make_client(engine) as test_client:
+    with make_client(engine, ServerConfig(render_processes=0)) as test_client:
         yield test_client
 
 

@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-mb", type=_positive_int,
                        default=ServerConfig.max_request_bytes // 2**20,
                        help="largest request body in MiB (larger: 413)")  # fmt: skip
+    serve.add_argument("--render-processes", type=_non_negative_int,
+                       default=ServerConfig.render_processes,
+                       help="worker processes that render large prompts off the event loop "
+                       "(0: in the server's process)")  # fmt: skip
     serve.add_argument("--max-concurrent", type=_positive_int, default=8,
                        help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
     serve.add_argument("--engine", choices=("auto", "gpu", "cpu"), default="auto",
@@ -397,7 +401,7 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_budget_low=args.reasoning_budget_low,
         reasoning_budget_medium=args.reasoning_budget_medium,
         reasoning_budget_high=args.reasoning_budget_high,
-        max_request_bytes=args.max_request_mb * 2**20,
+        max_request_bytes=args.max_request_mb * 2**20, render_processes=args.render_processes,
     )  # fmt: skip
     use_gpu = args.engine == "gpu" or (args.engine == "auto" and torch.cuda.is_available())
     if use_gpu:

@@ -311,10 +311,15 @@ class ServerConfig:
     # Largest request body (bytes) read, else 413. A 131k-token context holds at most 16.8 MB
     # of text (o200k's longest token is 128 bytes), JSON-escaped at most ~2x in practice.
     max_request_bytes: int = 64 * 1024 * 1024
+    # Worker processes that render large prompts off the event loop (server/render_workers.py;
+    # 0: in the server's process, which stalls every stream for the render's duration).
+    render_processes: int = 1
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
+        if self.render_processes < 0:
+            raise ValueError("render_processes must be >= 0")
         for effort in ("low", "medium", "high"):
             if self.reasoning_budget(effort) < 0:
                 raise ValueError(f"reasoning_budget_{effort} must be >= 0")

@@ -30,6 +30,7 @@ from gptoss_serve.server.objects import (
     ResponseObject,
 )
 from gptoss_serve.server.protocol import CreateResponseRequest
+from gptoss_serve.server.render_workers import RenderWorkers
 from gptoss_serve.server.responses import Prepared, prepare, run
 from gptoss_serve.server.store import ResponseStore
 
@@ -51,12 +52,11 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(constraints.warm_up, config)  # not in the first request
         yield
-        await runs.close()
-        await engine.close()
-        store.close()
+        await _shut_down(runs, engine, renderers, store)
 
     metrics = ServerMetrics()
     runs = BackgroundRuns(engine, store, metrics)
+    renderers = RenderWorkers(config.render_processes)
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
@@ -67,7 +67,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
               responses={**_ERRORS, 413: {"model": ErrorResponse}, **_SSE_DOC})  # fmt: skip
     async def create_response(body: CreateResponseRequest, request: Request):
         _check_previous_ended(runs, body.previous_response_id)
-        prepared = await prepare(body, engine, store, config)
+        prepared = await prepare(body, engine, store, config, renderers)
         if body.background:  # runs on without this request; its events are kept
             background = runs.start(prepared)
             if body.stream:
@@ -153,6 +153,16 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
         return {"status": "ok"}
 
     return app
+
+
+async def _shut_down(
+    runs: BackgroundRuns, engine: EngineClient, renderers: RenderWorkers, store: ResponseStore
+) -> None:
+    """The background runs first (they use the engine and the store), the store last."""
+    await runs.close()
+    await engine.close()
+    renderers.close()
+    store.close()
 
 
 async def _complete(

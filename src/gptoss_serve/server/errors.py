@@ -36,6 +36,11 @@ class APIError(Exception):
         self.code = code
         self.error_type = error_type
 
+    def __reduce__(self) -> tuple:
+        """Pickled whole (a render worker's 400 crosses a process boundary): Exception's own
+        pickling would call the constructor with the message alone."""
+        return (self.__class__, (self.status_code, self.message), dict(self.__dict__))
+
     def body(self) -> dict[str, Any]:
         return {
             "error": {

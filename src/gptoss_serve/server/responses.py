@@ -11,7 +11,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ from gptoss_serve.server.protocol import (
     ToolChoiceAllowed,
     ToolChoiceFunction,
 )
+from gptoss_serve.server.render_workers import RenderWorkers
 from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -81,18 +82,25 @@ class Draft:
 
 
 async def prepare(
-    request: CreateResponseRequest, engine: EngineClient, store: ResponseStore, config: ServerConfig
+    request: CreateResponseRequest,
+    engine: EngineClient,
+    store: ResponseStore,
+    config: ServerConfig,
+    renderers: RenderWorkers,
 ) -> Prepared:
     """Check everything a client could get wrong; build the prompt. Raises APIError. A large
     input's tokens are counted in a worker thread, in short runs between which the event loop
-    gets the GIL (context_fit.py)."""
+    gets the GIL (context_fit.py), and its prompt is rendered in a worker process, since the
+    renderer holds the GIL throughout (render_workers.py)."""
     draft = begin(request, engine, store, config)
-    items = draft.render.items
-    if context_fit.large_input(items):
-        bounds = await asyncio.to_thread(context_fit.token_bounds, items, draft.context)
+    render, truncation, context = draft.render, request.truncation, draft.context
+    if context_fit.large_input(render.items):
+        bounds = await asyncio.to_thread(context_fit.token_bounds, render.items, context)
+        fitted = await renderers.fit_context(render, truncation, context, bounds)
     else:
-        bounds = context_fit.token_bounds(items, draft.context)
-    return finish(draft, config, bounds)
+        bounds = context_fit.token_bounds(render.items, context)
+        fitted = context_fit.fit_context(render, truncation, context, bounds)
+    return finish(draft, config, fitted)
 
 
 def begin(
@@ -128,11 +136,11 @@ def begin(
     return Draft(request, render, converter.listed, info.model_name, info.max_context_tokens)
 
 
-def finish(draft: Draft, config: ServerConfig, bounds: Sequence[int]) -> Prepared:
-    """The prompt fitted to the context (``bounds``: context_fit.token_bounds of the items),
-    the sampling parameters and the in-progress response object. Raises APIError."""
+def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRequest]) -> Prepared:
+    """From the prompt fitted to the context (``context_fit.fit_context`` of the draft's
+    render): the sampling parameters and the in-progress response object. Raises APIError."""
     request, context = draft.request, draft.context
-    prompt_ids, render = context_fit.fit_context(draft.render, request.truncation, context, bounds)
+    prompt_ids, render = fitted
     room = context - len(prompt_ids)
     max_tokens = min(request.max_output_tokens or config.default_max_output_tokens or room, room)
     budget = reasoning_budget(request, render.reasoning_effort, max_tokens, config)

@@ -1,0 +1,77 @@
+"""Fits and renders large prompts in worker processes, off the server's event loop.
+
+openai-harmony's renderer (Rust, through pyo3) holds the GIL for its whole call: 0.24 s for a
+192k-token conversation on one core of the CPU CI machine. Run in the server's process, even
+in a worker thread, that call stalls the event loop, and with it every other request's stream,
+for as long. So where an input is large (``context_fit.large_input``: its tokens are counted
+too), ``context_fit.fit_context`` runs in a process pool, and the event loop only pickles the
+conversation and unpickles the token ids: on a CI core, the event loop's longest stall during
+a 96,921-token render went from 100 ms to 6.5 ms (30,219 tokens: 32 to 2.8 ms). The pool
+starts a process at its first large input (the vocabulary loads there once, ~1 s);
+``processes=0`` renders in the caller instead.
+
+The workers are started with "spawn", which imports the main module again in the child: a
+program that builds the app itself must guard its entry point with ``if __name__ ==
+"__main__"`` (the ``gptoss-serve`` command does). A pool whose worker dies is replaced; after
+MAX_BROKEN_POOLS of them, large prompts render in the server's process, with an error logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from gptoss_serve.harmony.conversation import RenderRequest
+from gptoss_serve.server import context_fit
+
+logger = logging.getLogger(__name__)
+
+MAX_BROKEN_POOLS = 3
+
+
+class RenderWorkers:
+    """``fit_context`` in up to ``processes`` worker processes (0: in the caller)."""
+
+    def __init__(self, processes: int) -> None:
+        if processes < 0:
+            raise ValueError(f"processes must be >= 0, got {processes}")
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self._broken = 0  # pools whose worker died
+
+    async def fit_context(
+        self, render: RenderRequest, truncation: str | None, context: int, bounds: Sequence[int]
+    ) -> tuple[list[int], RenderRequest]:
+        """``context_fit.fit_context`` of these arguments, in a worker process; its APIError
+        (a 400) comes back as raised there. If the worker dies, the pool is replaced and this
+        one render runs in the caller."""
+        if not self.processes or self._broken >= MAX_BROKEN_POOLS:
+            return context_fit.fit_context(render, truncation, context, bounds)
+        if self._pool is None:
+            # spawn: a fork of a process that holds CUDA, threads and an event loop is unsafe.
+            context_of = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=context_of)
+        loop = asyncio.get_running_loop()
+        job = (render, truncation, context, list(bounds))
+        try:
+            return await loop.run_in_executor(self._pool, context_fit.fit_context, *job)
+        except BrokenProcessPool:
+            self._broken += 1
+            logger.exception(
+                "the render worker died (%d of %d); rendering this prompt in the server%s",
+                self._broken, MAX_BROKEN_POOLS,
+                ", and every large one from now on" if self._broken >= MAX_BROKEN_POOLS else "",
+            )  # fmt: skip
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+            return context_fit.fit_context(*job)
+
+    def close(self) -> None:
+        """Stops the worker processes (a render in flight is not waited for)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
