@@ -17,6 +17,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from gptoss_serve.bounded_cache import bounded_cache
 from gptoss_serve.harmony import adapter as harmony
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,12 @@ def num_mask_words() -> int:
 _lock = threading.Lock()  # the server's threads and the engine's worker share the cache
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
+# Grammars up to this many characters are kept compiled; a larger one (a client's huge
+# schema) is compiled for each use, so the cache holds at most _CACHE_SIZE x 64 KB of text.
+_CACHED_GRAMMAR_CHARS = 1 << 16
+
+
+@bounded_cache(_CACHE_SIZE, _CACHED_GRAMMAR_CHARS)
 def _compiled(grammar: str) -> llguidance.LLMatcher:
     matcher = llguidance.LLMatcher(tokenizer(), grammar, log_level=0)
     if matcher.is_error():
@@ -91,16 +97,9 @@ def new_matcher(grammar: str) -> Matcher:
     return Matcher(_template(grammar).deep_copy())
 
 
-# Grammars up to this many characters are kept compiled; a larger one (a client's huge
-# schema) is compiled for each use, so the cache holds at most _CACHE_SIZE x 64 KB of text.
-_CACHED_GRAMMAR_CHARS = 1 << 16
-
-
 def _template(grammar: str) -> llguidance.LLMatcher:
     with _lock:
-        if len(grammar) <= _CACHED_GRAMMAR_CHARS:
-            return _compiled(grammar)
-        return _compiled.__wrapped__(grammar)
+        return _compiled(grammar)
 
 
 class Matcher:

@@ -7,7 +7,6 @@ out-of-range values are rejected, never silently ignored.
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Annotated, Any, Literal
 
@@ -15,6 +14,8 @@ from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 from pydantic_core import PydanticCustomError
+
+from gptoss_serve.bounded_cache import bounded_cache
 
 
 class _Strict(BaseModel):
@@ -136,10 +137,7 @@ def _check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     none), as the official API checks even where it does not enforce the schema."""
     if schema is None:
         return schema
-    key = json.dumps(schema, sort_keys=True, separators=(",", ":"))
-    # A large schema is checked every time rather than kept: the cache holds small ones only.
-    check = _schema_problem if len(key) <= _CACHED_SCHEMA_CHARS else _schema_problem.__wrapped__
-    problem = check(key)
+    problem = _schema_problem(json.dumps(schema, sort_keys=True, separators=(",", ":")))
     if problem is not None:  # the code constraints.py gives schemas it cannot compile
         path, message = problem
         raise PydanticCustomError(
@@ -149,10 +147,11 @@ def _check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     return schema
 
 
-_CACHED_SCHEMA_CHARS = 1 << 16  # so the cache holds at most 1024 x 64 KB
+# A larger schema is checked every time rather than kept: the cache holds at most 1024 x 64 KB.
+_CACHED_SCHEMA_CHARS = 1 << 16
 
 
-@functools.lru_cache(maxsize=1024)
+@bounded_cache(1024, _CACHED_SCHEMA_CHARS)
 def _schema_problem(schema_json: str) -> tuple[str, str] | None:
     """(JSON path, message) of the first metaschema violation of a schema given as canonical
     JSON, or None. Cached: an agent sends the same tools with every request, and a check
