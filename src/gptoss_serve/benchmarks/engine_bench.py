@@ -23,8 +23,25 @@ from gptoss_serve.kernels.moe import expert_bytes
 
 logger = logging.getLogger(__name__)
 
-COPY_BYTES_PER_S = 4.3e12  # the H200's device-to-device copy rate (bench/kernels.py)
-DENSE_FLOP_PER_S = 790e12  # bf16 tensor cores, measured (docs/performance.md)
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What a GPU's ceilings are computed from: its device-to-device copy rate and its dense
+    bf16 tensor-core rate, both as bench/kernels.py measures them."""
+
+    copy_bytes_per_s: float
+    dense_flop_per_s: float
+
+
+# bench/results/kernels.json (H200) and kernels_h100.json (H100 80GB HBM3).
+H200_RATES = DeviceRates(copy_bytes_per_s=4.3e12, dense_flop_per_s=790e12)
+H100_RATES = DeviceRates(copy_bytes_per_s=3.02e12, dense_flop_per_s=795e12)
+
+
+def device_rates(device_name: str) -> DeviceRates:
+    """The rates of the GPU named ``device_name`` (torch.cuda.get_device_name): an H100's
+    measured ones for an H100, else the H200's (the targets' card)."""
+    return H100_RATES if "H100" in device_name else H200_RATES
 
 
 @dataclass(frozen=True)
@@ -41,7 +58,9 @@ class Figure:
         return 100 * self.value / self.ceiling
 
 
-def decode_ceiling_tok_s(config: ModelConfig, batch: int, context: int) -> float:
+def decode_ceiling_tok_s(
+    config: ModelConfig, batch: int, context: int, rates: DeviceRates = H200_RATES
+) -> float:
     """Tokens/s if one decode step only read its bytes at the copy rate: every non-expert
     weight, the distinct experts ``batch`` tokens touch per layer, and each sequence's KV."""
     h, e, k = config.hidden_size, config.num_local_experts, config.num_experts_per_tok
@@ -55,15 +74,15 @@ def decode_ceiling_tok_s(config: ModelConfig, batch: int, context: int) -> float
     kv = spec.layer_token_bytes * (
         spec.num_full_layers * context + spec.num_sliding_layers * min(context, spec.sliding_window)
     )
-    return batch * COPY_BYTES_PER_S / (weights + batch * kv)
+    return batch * rates.copy_bytes_per_s / (weights + batch * kv)
 
 
-def prefill_ceiling_tok_s(config: ModelConfig) -> float:
+def prefill_ceiling_tok_s(config: ModelConfig, rates: DeviceRates = H200_RATES) -> float:
     """Tokens/s of the matrix work alone (experts, attention projections, unembedding
     skipped: only the last token's) at the dense bf16 rate."""
     h, i, k = config.hidden_size, config.intermediate_size, config.num_experts_per_tok
     per_layer = 2 * (k * 3 * i * h + h * (config.q_dim + 2 * config.kv_dim) + config.q_dim * h)
-    return DENSE_FLOP_PER_S / (config.num_hidden_layers * per_layer)
+    return rates.dense_flop_per_s / (config.num_hidden_layers * per_layer)
 
 
 class Scenario:

@@ -40,12 +40,14 @@ def run_engine_bench(
     make_core, _, plan = build_engine(weights, config)
     logger.warning("engine ready in %.1fs: %d KV tokens", time.perf_counter() - started,
                    plan.max_num_tokens)  # fmt: skip
+    device = torch.cuda.get_device_name(weights.device) if weights.device.type == "cuda" else "cpu"
+    rates = eb.device_rates(device)
     figures = []
 
     def decode(figure: str, batch: int, context: int) -> None:
         value = eb.decode_tok_s(make_core, model, batch=batch, context=context,
                                 num_tokens=decode_tokens)  # fmt: skip
-        ceiling = eb.decode_ceiling_tok_s(model, batch, context + decode_tokens // 2)
+        ceiling = eb.decode_ceiling_tok_s(model, batch, context + decode_tokens // 2, rates)
         figures.append(eb.Figure(figure, value, ceiling, "tok/s"))
         logger.warning("%s: %.1f tok/s", figure, value)
 
@@ -57,7 +59,7 @@ def run_engine_bench(
     decode("decode_bs1_ctx8k_tok_s", 1, 8192)
     for batch in DECODE_BATCHES:
         decode(f"decode_conc{batch}_tok_s", batch, 1024)
-    prefill_ceiling = eb.prefill_ceiling_tok_s(model)
+    prefill_ceiling = eb.prefill_ceiling_tok_s(model, rates)
     for length in (2048, 8192):
         value = eb.prefill_tok_s(make_core, model, length)
         figures.append(eb.Figure(f"prefill_{length}_tok_s", value, prefill_ceiling, "tok/s"))
@@ -67,10 +69,9 @@ def run_engine_bench(
     seqs = min(throughput_seqs, config.scheduler.max_num_seqs,
                plan.max_num_tokens // (2 * THROUGHPUT_LENGTH))  # fmt: skip
     value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=THROUGHPUT_LENGTH)
-    ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536)
+    ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536, rates)
     figures.append(eb.Figure("max_throughput_tok_s", value, ceiling, f"tok/s ({seqs} seqs)"))
     figures.append(eb.Figure("peak_gpu_memory_gb", eb.peak_memory_gb(weights.device), None, "GB"))
-    device = torch.cuda.get_device_name(weights.device) if weights.device.type == "cuda" else "cpu"
     return {
         "device": device, "commit": commit,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
