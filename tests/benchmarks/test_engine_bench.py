@@ -1,5 +1,5 @@
-"""The engine bench's ceilings (benchmarks/engine_bench.py): the figures of engine.json's H200
-run, and an H100's from its own measured rates."""
+"""The engine bench (benchmarks/engine_bench.py, engine_run.py) without a GPU: its ceilings
+(engine.json's H200 figures, an H100's from its own rates) and the seats it asks for."""
 
 from __future__ import annotations
 
@@ -28,3 +28,23 @@ def test_ceilings_follow_the_card() -> None:
         )
     assert eb.decode_ceiling_tok_s(config, 1, 1152, h100) == pytest.approx(598.1, abs=0.1)
     assert eb.prefill_ceiling_tok_s(config, h100) > eb.prefill_ceiling_tok_s(config, h200)
+
+
+def test_the_bench_lowers_its_seats_to_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a card whose KV budget holds fewer max-throughput sequences than the requested seats
+    (an 80 GB H100: 28 of 2k tokens), the bench's engine gets that many seats, but never fewer
+    than its largest decode batch; where they fit, the config stays."""
+    import torch  # noqa: PLC0415
+
+    from gptoss_serve.benchmarks import engine_run  # noqa: PLC0415
+    from gptoss_serve.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
+
+    class Weights:
+        device = torch.device("cuda")  # only its type is read
+
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1024))
+    for fit, seats in ((28, 64), (300, 300), (5000, 1024)):
+        monkeypatch.setattr(engine_run, "seqs_that_fit_gpu", lambda *a, fit=fit, **k: fit)
+        assert engine_run._fit_seats(Weights(), config).scheduler.max_num_seqs == seats
+    given = EngineConfig(kv_cache_tokens=4096)  # an explicit cache: nothing to measure
+    assert engine_run._fit_seats(Weights(), given) is given
