@@ -15,7 +15,11 @@ import pytest
 from gptoss_serve.harmony.conversation import Message, RenderRequest
 from gptoss_serve.server import context_fit
 from gptoss_serve.server.errors import APIError
-from gptoss_serve.server.render_workers import MAX_BROKEN_POOLS, RenderWorkers
+from gptoss_serve.server.render_workers import (
+    MAX_BROKEN_POOLS,
+    RENDER_IN_WORKER_CHARS,
+    RenderWorkers,
+)
 
 CONTEXT = 131_072
 
@@ -73,7 +77,7 @@ def test_a_worker_renders_what_this_process_does_with_the_loop_free() -> None:
     workers = RenderWorkers(1)
 
     async def main() -> tuple:
-        await workers.fit_context(_conversation(100), None, CONTEXT, [1] * 8)  # start, warm
+        await workers.fit_context(_conversation(12_000), None, CONTEXT, [1] * 8)  # start, warm
         return await _with_ticker(workers.fit_context(render, None, CONTEXT, bounds))
 
     try:
@@ -89,7 +93,7 @@ def test_a_worker_renders_what_this_process_does_with_the_loop_free() -> None:
 
 @pytest.mark.slow
 def test_a_refusal_in_the_worker_is_the_same_400() -> None:
-    render = _conversation(4_000)
+    render = _conversation(12_000)
     bounds = context_fit.token_bounds(render.items, 1_000)
     with pytest.raises(APIError) as here:
         context_fit.fit_context(render, None, 1_000, bounds)
@@ -113,7 +117,8 @@ def test_a_dead_pool_is_replaced_and_the_render_done_here(
         def shutdown(self, **kwargs) -> None:
             pass
 
-    render = _conversation(200)
+    render = _conversation(12_000)  # over RENDER_IN_WORKER_CHARS: for the pool
+    assert context_fit.input_chars(render.items) > RENDER_IN_WORKER_CHARS
     workers = RenderWorkers(1)
     for _ in range(MAX_BROKEN_POOLS):
         workers._pool = DeadPool()  # the pool a crash leaves
@@ -127,12 +132,17 @@ def test_a_dead_pool_is_replaced_and_the_render_done_here(
         RenderWorkers(-1)
 
 
-def test_zero_processes_render_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_zero_processes_or_a_small_input_render_in_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls = []
     real = context_fit.fit_context
     monkeypatch.setattr(context_fit, "fit_context", lambda *a: calls.append(1) or real(*a))
-    render = _conversation(200)
-    assert asyncio.run(RenderWorkers(0).fit_context(render, None, CONTEXT, [1] * 8)) == (
-        _fit_here(render)
+    large, small = _conversation(12_000), _conversation(200)
+    assert asyncio.run(RenderWorkers(0).fit_context(large, None, CONTEXT, [1] * 8)) == (
+        _fit_here(large)
     )
-    assert calls
+    workers = RenderWorkers(1)
+    assert asyncio.run(workers.fit_context(small, None, CONTEXT, [1] * 8)) == _fit_here(small)
+    assert workers._pool is None  # never started for it
+    assert len(calls) == 4  # the two renders above and their two checks, all here

@@ -36,7 +36,12 @@ LARGE_ITEM_CHARS = 1 << 16
 
 def large_input(items: Sequence[Item]) -> bool:
     """Whether ``token_bounds`` counts tokens for these items (else it only sums lengths)."""
-    return sum(len(_item_text(item)) for item in items) > LARGE_INPUT_CHARS
+    return input_chars(items) > LARGE_INPUT_CHARS
+
+
+def input_chars(items: Sequence[Item]) -> int:
+    """The characters of the items' texts."""
+    return sum(len(_item_text(item)) for item in items)
 
 
 def token_bounds(items: Sequence[Item], context: int) -> list[int]:

@@ -3,12 +3,13 @@
 openai-harmony's renderer (Rust, through pyo3) holds the GIL for its whole call: 0.24 s for a
 192k-token conversation on one core of the CPU CI machine. Run in the server's process, even
 in a worker thread, that call stalls the event loop, and with it every other request's stream,
-for as long. So where an input is large (``context_fit.large_input``: its tokens are counted
-too), ``context_fit.fit_context`` runs in a process pool, and the event loop only pickles the
-conversation and unpickles the token ids: on a CI core, the event loop's longest stall during
-a 96,921-token render went from 100 ms to 6.5 ms (30,219 tokens: 32 to 2.8 ms). The pool
-starts a process at its first large input (the vocabulary loads there once, ~1 s);
-``processes=0`` renders in the caller instead.
+for as long. So where an input has more than RENDER_IN_WORKER_CHARS characters (~8k tokens of
+English, ~8 ms to render), ``context_fit.fit_context`` runs in a process pool, and the event loop
+only pickles the conversation and unpickles the token ids: on a CI core, the event loop's
+longest stall during a 96,921-token render went from 100 ms to 6.5 ms (30,219 tokens: 32 to
+2.8 ms). The pool starts a process at its first such input (the vocabulary loads there once,
+~1 s; the server's side of the start stalls the loop ~20 ms); ``processes=0`` renders in the
+caller instead.
 
 The workers are started with "spawn", which imports the main module again in the child: a
 program that builds the app itself must guard its entry point with ``if __name__ ==
@@ -31,6 +32,7 @@ from gptoss_serve.server import context_fit
 logger = logging.getLogger(__name__)
 
 MAX_BROKEN_POOLS = 3
+RENDER_IN_WORKER_CHARS = 1 << 15  # smaller inputs render in the caller (a few ms at most)
 
 
 class RenderWorkers:
@@ -46,10 +48,12 @@ class RenderWorkers:
     async def fit_context(
         self, render: RenderRequest, truncation: str | None, context: int, bounds: Sequence[int]
     ) -> tuple[list[int], RenderRequest]:
-        """``context_fit.fit_context`` of these arguments, in a worker process; its APIError
-        (a 400) comes back as raised there. If the worker dies, the pool is replaced and this
-        one render runs in the caller."""
-        if not self.processes or self._broken >= MAX_BROKEN_POOLS:
+        """``context_fit.fit_context`` of these arguments: in a worker process for an input of
+        more than RENDER_IN_WORKER_CHARS characters, its APIError (a 400) coming back as raised
+        there; else here. If the worker dies, the pool is replaced and this one render runs
+        here."""
+        here = not self.processes or self._broken >= MAX_BROKEN_POOLS
+        if here or context_fit.input_chars(render.items) <= RENDER_IN_WORKER_CHARS:
             return context_fit.fit_context(render, truncation, context, bounds)
         if self._pool is None:
             # spawn: a fork of a process that holds CUDA, threads and an event loop is unsafe.

@@ -90,16 +90,15 @@ async def prepare(
 ) -> Prepared:
     """Check everything a client could get wrong; build the prompt. Raises APIError. A large
     input's tokens are counted in a worker thread, in short runs between which the event loop
-    gets the GIL (context_fit.py), and its prompt is rendered in a worker process, since the
-    renderer holds the GIL throughout (render_workers.py)."""
+    gets the GIL (context_fit.py); a prompt of over 32k characters is rendered in a worker
+    process, since the renderer holds the GIL throughout (render_workers.py)."""
     draft = begin(request, engine, store, config)
     render, truncation, context = draft.render, request.truncation, draft.context
     if context_fit.large_input(render.items):
         bounds = await asyncio.to_thread(context_fit.token_bounds, render.items, context)
-        fitted = await renderers.fit_context(render, truncation, context, bounds)
     else:
         bounds = context_fit.token_bounds(render.items, context)
-        fitted = context_fit.fit_context(render, truncation, context, bounds)
+    fitted = await renderers.fit_context(render, truncation, context, bounds)
     return finish(draft, config, fitted)
 
 
