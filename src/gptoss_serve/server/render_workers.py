@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -58,7 +59,9 @@ class RenderWorkers:
         if self._pool is None:
             # spawn: a fork of a process that holds CUDA, threads and an event loop is unsafe.
             context_of = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=context_of)
+            self._pool = ProcessPoolExecutor(
+                self.processes, mp_context=context_of, initializer=_ignore_interrupts
+            )
         loop = asyncio.get_running_loop()
         job = (render, truncation, context, list(bounds))
         try:
@@ -79,3 +82,9 @@ class RenderWorkers:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _ignore_interrupts() -> None:
+    """In a worker: Ctrl-C reaches the whole process group, and the server stops its workers
+    itself (``close``); without this each idle worker would print a KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
