@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import pickle
 import time
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
@@ -111,8 +112,12 @@ def test_a_dead_pool_is_replaced_and_the_render_done_here(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     class DeadPool:
-        def submit(self, *args, **kwargs):
-            raise BrokenProcessPool("worker died")
+        """Its renders fail once awaited, as those in flight when a worker dies."""
+
+        def submit(self, *args, **kwargs) -> Future:
+            failed = Future()
+            failed.set_exception(BrokenProcessPool("worker died"))
+            return failed
 
         def shutdown(self, **kwargs) -> None:
             pass
@@ -125,6 +130,19 @@ def test_a_dead_pool_is_replaced_and_the_render_done_here(
         ids, fitted = asyncio.run(workers.fit_context(render, None, CONTEXT, [1] * 8))
         assert (ids, fitted) == _fit_here(render)
         assert workers._pool is None  # a fresh one at the next render
+    # Two renders on one pool that breaks: it is replaced once, and both are rendered here.
+    workers = RenderWorkers(1)
+    workers._pool = DeadPool()
+
+    async def both() -> list:
+        return await asyncio.gather(*(workers.fit_context(render, None, CONTEXT, [1] * 8)
+                                      for _ in range(2)))  # fmt: skip
+
+    assert asyncio.run(both()) == [_fit_here(render)] * 2
+    assert workers._broken == 1 and workers._pool is None
+    for _ in range(MAX_BROKEN_POOLS - 1):
+        workers._pool = DeadPool()
+        asyncio.run(workers.fit_context(render, None, CONTEXT, [1] * 8))
     # After MAX_BROKEN_POOLS, no pool is started again: renders stay in this process.
     assert asyncio.run(workers.fit_context(render, None, CONTEXT, [1] * 8)) == _fit_here(render)
     assert workers._pool is None

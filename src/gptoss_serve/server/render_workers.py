@@ -62,19 +62,20 @@ class RenderWorkers:
             self._pool = ProcessPoolExecutor(
                 self.processes, mp_context=context_of, initializer=_ignore_interrupts
             )
-        loop = asyncio.get_running_loop()
+        pool, loop = self._pool, asyncio.get_running_loop()
         job = (render, truncation, context, list(bounds))
         try:
-            return await loop.run_in_executor(self._pool, context_fit.fit_context, *job)
+            return await loop.run_in_executor(pool, context_fit.fit_context, *job)
         except BrokenProcessPool:
-            self._broken += 1
-            logger.exception(
-                "the render worker died (%d of %d); rendering this prompt in the server%s",
-                self._broken, MAX_BROKEN_POOLS,
-                ", and every large one from now on" if self._broken >= MAX_BROKEN_POOLS else "",
-            )  # fmt: skip
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            if pool is self._pool:  # the first of the renders it broke: replace it once
+                self._broken += 1
+                logger.exception(
+                    "the render worker died (%d of %d); rendering in the server%s",
+                    self._broken, MAX_BROKEN_POOLS,
+                    ", from now on" if self._broken >= MAX_BROKEN_POOLS else " meanwhile",
+                )  # fmt: skip
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
             return context_fit.fit_context(*job)
 
     def close(self) -> None:
