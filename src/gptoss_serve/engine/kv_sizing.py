@@ -121,6 +121,16 @@ def kv_cache_bytes(
     return available
 
 
+def sliding_blocks(
+    spec: KvCacheSpec, max_num_seqs: int, max_num_batched_tokens: int, num_spare: int = 0
+) -> int:
+    """Sliding-window blocks the cache holds for ``max_num_seqs`` running sequences
+    (``sliding_pool_bound``) plus ``num_spare``; 0 for a model without sliding layers."""
+    if not spec.num_sliding_layers:
+        return 0
+    return num_spare + sliding_pool_bound(spec.sliding_window, max_num_seqs, max_num_batched_tokens)
+
+
 def plan_kv_cache(
     spec: KvCacheSpec,
     num_bytes: int,
@@ -133,11 +143,9 @@ def plan_kv_cache(
     sequences need, plus spares) and full-attention blocks (all the rest)."""
     if spec.num_full_layers < 1:
         raise KvCacheSizeError("a model without full-attention layers is not supported")
-    num_sliding = 0
-    if spec.num_sliding_layers:
-        num_sliding = num_spare_sliding_blocks + sliding_pool_bound(
-            spec.sliding_window, max_num_seqs, max_num_batched_tokens
-        )
+    num_sliding = sliding_blocks(
+        spec, max_num_seqs, max_num_batched_tokens, num_spare_sliding_blocks
+    )
     sliding_bytes = num_sliding * spec.sliding_block_bytes
     num_full = (num_bytes - sliding_bytes) // spec.full_block_bytes
     if num_full < 1:
@@ -169,11 +177,7 @@ def seqs_that_fit(
         raise ValueError(f"tokens_per_seq must be >= 1, got {tokens_per_seq}")
 
     def needed(num_seqs: int) -> int:
-        sliding = 0
-        if spec.num_sliding_layers:
-            sliding = num_spare_sliding_blocks + sliding_pool_bound(
-                spec.sliding_window, num_seqs, max_num_batched_tokens
-            )
+        sliding = sliding_blocks(spec, num_seqs, max_num_batched_tokens, num_spare_sliding_blocks)
         full = num_seqs * cdiv(tokens_per_seq, BLOCK_SIZE)
         return sliding * spec.sliding_block_bytes + full * spec.full_block_bytes
 

@@ -22,7 +22,7 @@ from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.forward import forward
 from gptoss_serve.engine.input_batch import InputBatch
 from gptoss_serve.engine.kv_cache import allocate_kv_cache
-from gptoss_serve.engine.kv_manager import KvCacheManager, cdiv, sliding_pool_bound
+from gptoss_serve.engine.kv_manager import KvCacheManager, cdiv
 from gptoss_serve.engine.kv_sizing import (
     GIB,
     KvCachePlan,
@@ -30,6 +30,7 @@ from gptoss_serve.engine.kv_sizing import (
     kv_cache_bytes,
     plan_kv_cache,
     seqs_that_fit,
+    sliding_blocks,
 )
 from gptoss_serve.engine.model_runner import ModelRunner, SamplingBatch
 from gptoss_serve.engine.ops import REFERENCE_OPS, Ops, kernel_ops
@@ -117,11 +118,9 @@ def _plan(
 ) -> KvCachePlan:
     if config.kv_cache_tokens is not None or weights.device.type != "cuda":
         tokens = config.kv_cache_tokens or scheduler.max_model_len
-        num_sliding = 0
-        if spec.num_sliding_layers:
-            num_sliding = config.num_spare_sliding_blocks + sliding_pool_bound(
-                spec.sliding_window, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-            )
+        num_sliding = sliding_blocks(spec, scheduler.max_num_seqs,
+                                     scheduler.max_num_batched_tokens,
+                                     config.num_spare_sliding_blocks)  # fmt: skip
         return KvCachePlan(cdiv(tokens, BLOCK_SIZE), num_sliding, spec)
     return plan_kv_cache(
         spec,

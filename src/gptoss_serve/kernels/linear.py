@@ -92,19 +92,19 @@ MMA_TILES = MmaTiles()
 
 def mma_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether ``linear`` runs the tensor-core kernel for these operands (on CUDA)."""
-    return (
-        x.dim() == 2
-        and GEMV_MAX_TOKENS < x.shape[0] <= MMA_MAX_TOKENS
-        and x.dtype == weight.dtype == torch.bfloat16
-        and out_dtype in (torch.bfloat16, torch.float32)
-    )
+    return _triton_takes(x, weight, out_dtype) and GEMV_MAX_TOKENS < x.shape[0] <= MMA_MAX_TOKENS
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether ``linear`` runs the Triton GEMV for these operands (on CUDA)."""
+    return _triton_takes(x, weight, out_dtype) and x.shape[0] <= GEMV_MAX_TOKENS
+
+
+def _triton_takes(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """The operands both Triton kernels take, whatever the token count: bf16 rows [T, K] and
+    weight, a bf16 or float32 output."""
     return (
         x.dim() == 2
-        and x.shape[0] <= GEMV_MAX_TOKENS
         and x.dtype == weight.dtype == torch.bfloat16
         and out_dtype in (torch.bfloat16, torch.float32)
     )
