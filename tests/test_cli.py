@@ -71,6 +71,24 @@ def test_generate_on_demo(use_demo_cache: Path, capsys: pytest.CaptureFixture) -
         (["logits", "--model", "demo", "--prompt-ids", "999999", "--out", "x.npy"], "vocabulary"),
         (["logits", "--model", "demo", "--prompt-ids", " , ", "--out", "x.npy"], "no token ids"),
         (["make-checkpoint", "x", "--hidden", "100"], "hidden_size"),
+        (
+            ["serve", "--model", "demo", "--engine", "cpu", "--kv-cache-dtype", "fp8"],
+            "needs the GPU engine",
+        ),
+        (
+            [
+                "serve",
+                "--model",
+                "demo",
+                "--engine",
+                "gpu",
+                "--dtype",
+                "float32",
+                "--kv-cache-dtype",
+                "fp8",
+            ],
+            "needs bf16 activations",
+        ),
     ],
 )
 def test_errors_are_one_line_exit_2(

@@ -38,7 +38,13 @@ from gptoss_serve.checkpoint import CheckpointError
 from gptoss_serve.checkpoint.demo import resolve_model_dir
 from gptoss_serve.checkpoint.presets import OVERRIDE_FIELDS
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
-from gptoss_serve.config import ConfigError, EngineConfig, SchedulerConfig, ServerConfig
+from gptoss_serve.config import (
+    KV_CACHE_DTYPES,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
 from gptoss_serve.engine.constrained import GrammarConstraint
 from gptoss_serve.engine.cpu_engine import CpuEngine
@@ -229,6 +235,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt + output tokens of one request (default: the model's)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="auto: K and V as the model computes them (bf16); fp8: E4M3, twice the tokens in "
+        "the same memory, outputs no longer exactly the model's",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(
@@ -244,6 +257,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) -> EngineConfig:
+    if args.kv_cache_dtype == "fp8" and getattr(args, "dtype", None) == "float32":
+        raise UsageError("--kv-cache-dtype fp8 needs bf16 activations, not --dtype float32")
     try:
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs or args.max_num_seqs,
@@ -259,6 +274,7 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) 
             programmatic_launch=not args.no_pdl,
             async_scheduling=not args.no_async_scheduling,
             reference_ops=getattr(args, "dtype", None) == "float32",
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as error:
         raise UsageError(str(error)) from error
@@ -406,11 +422,14 @@ def run_serve(args: argparse.Namespace) -> int:
     use_gpu = args.engine == "gpu" or (args.engine == "auto" and torch.cuda.is_available())
     if use_gpu:
         dtype = SUPPORTED_DTYPES[args.dtype or "bfloat16"]
+        settings = engine_config(args)  # its usage errors before minutes of weight loading
         weights, name = _load_weights(args.model, dtype=dtype)
-        engine = build_async_engine(weights, name, engine_config(args))
+        engine = build_async_engine(weights, name, settings)
     else:
         if args.model in SYNTHETIC_MODELS:
             raise UsageError(f"{args.model} needs the GPU engine")
+        if args.kv_cache_dtype != "auto":
+            raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} needs the GPU engine")
         model = _load(args)
         name = "demo" if args.model == "demo" else Path(args.model).resolve().name
         engine = CpuEngine(model, name, max_active=args.max_concurrent)
@@ -426,7 +445,7 @@ def run_bench(args: argparse.Namespace) -> int:
         weights, _ = _load_weights(args.model, dtype=torch.bfloat16)
         return run_fit_check(weights, engine_config(args))
     # The capped process first, while this one holds no GPU memory yet.
-    fit = None if args.skip_fit_check else fit_check_subprocess(args.model)
+    fit = None if args.skip_fit_check else fit_check_subprocess(args.model, args.kv_cache_dtype)
     weights, name = _load_weights(args.model, dtype=torch.bfloat16)
     config = engine_config(args, max_num_seqs=max(args.max_num_seqs, args.throughput_seqs))
     commit = os.environ.get("BENCH_COMMIT") or report.git_commit()

@@ -361,6 +361,10 @@ class SchedulerConfig:
         return min(self.max_chunk_tokens, self.max_num_batched_tokens)
 
 
+# The KV cache's element types (kernels/kv_dtype.py): the activations' own, or FP8 E4M3.
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The GPU engine (engine/startup.py): its step bounds and how much memory it may take."""
@@ -387,6 +391,9 @@ class EngineConfig:
     # The plain-torch references instead of the Triton kernels (the float32 verification
     # mode; slow, no graphs).
     reference_ops: bool = False
+    # "auto": K and V in the activations' dtype; "fp8": E4M3, twice the tokens in the same
+    # bytes, at the cost of precision (kernels/kv_dtype.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         utilization = self.gpu_memory_utilization
@@ -398,3 +405,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.num_spare_sliding_blocks < 0:
             raise ValueError("num_spare_sliding_blocks must be >= 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )

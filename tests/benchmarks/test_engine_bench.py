@@ -27,6 +27,13 @@ def test_ceilings_follow_the_card() -> None:
             ratio * eb.decode_ceiling_tok_s(config, batch, 1152, h200)
         )
     assert eb.decode_ceiling_tok_s(config, 1, 1152, h100) == pytest.approx(598.1, abs=0.1)
+    # An FP8 cache reads half the KV bytes: a higher ceiling, the more so at long context.
+    gains = [
+        eb.decode_ceiling_tok_s(config, 1, context, h100, kv_element_bytes=1)
+        / eb.decode_ceiling_tok_s(config, 1, context, h100)
+        for context in (1152, 8320)
+    ]
+    assert 1 < gains[0] < gains[1]
     assert eb.prefill_ceiling_tok_s(config, h100) > eb.prefill_ceiling_tok_s(config, h200)
 
 
@@ -48,3 +55,12 @@ def test_the_bench_lowers_its_seats_to_what_fits(monkeypatch: pytest.MonkeyPatch
         assert engine_run._fit_seats(Weights(), config).scheduler.max_num_seqs == seats
     given = EngineConfig(kv_cache_tokens=4096)  # an explicit cache: nothing to measure
     assert engine_run._fit_seats(Weights(), given) is given
+
+    # The step's reserve shrinks with the seats, so fewer seats leave room for more sequences
+    # (an FP8 cache on an H100: 63 fit beside 1024 seats, 104 beside 64): measured again.
+    def fit_at(weights, config, **kwargs) -> int:
+        seats = config.scheduler.max_num_seqs
+        return 63 if seats > 500 else 104 - seats // 50
+
+    monkeypatch.setattr(engine_run, "seqs_that_fit_gpu", fit_at)
+    assert engine_run._fit_seats(Weights(), config).scheduler.max_num_seqs == 102

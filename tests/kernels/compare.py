@@ -48,3 +48,21 @@ def poisoned(
     if dtype.is_floating_point:
         return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.full(shape, 0xAB, dtype=dtype, device=device)
+
+
+def assert_fp8_near(actual: torch.Tensor, expected: torch.Tensor, *, max_mismatch: float) -> float:
+    """Two FP8 (E4M3) tensors that differ at most by one code step where they differ, at no more
+    than ``max_mismatch`` of the elements (a kernel's fp32 sums may round its bf16 value, and so
+    the FP8 one, to the other side of a boundary). NaN (poison) only where the other has NaN.
+    Returns the fraction that differs."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    a, e = actual.view(torch.uint8).int().cpu(), expected.view(torch.uint8).int().cpu()
+    assert torch.equal(actual.isnan().cpu(), expected.isnan().cpu()), "NaN in other places"
+    # Sign-magnitude codes in order: -m below 0 for negatives (both zeros are 0).
+    order_a = torch.where(a >= 128, -(a & 0x7F), a)
+    order_e = torch.where(e >= 128, -(e & 0x7F), e)
+    steps = (order_a - order_e).abs()
+    assert int(steps.max()) <= 1, f"codes {int(steps.max())} steps apart"
+    mismatch = float((steps > 0).float().mean())
+    assert mismatch <= max_mismatch, f"{mismatch:.2%} of the codes differ"
+    return mismatch

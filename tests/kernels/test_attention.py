@@ -38,6 +38,7 @@ from gptoss_serve.kernels.attention import (
     paged_attention_prefill_reference,
     sink_attention,
 )
+from gptoss_serve.kernels.kv_dtype import FP8, to_cache
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +80,20 @@ def make_paged(
     block_size: int,
     dtype: torch.dtype,
     device: str,
+    cache_dtype: torch.dtype | None = None,
 ) -> Paged:
     """Random K/V for ragged sequences, scattered over shuffled physical blocks.
 
     first_needed[s]: the first position any query of sequence s may see; blocks wholly
-    before it are freed as the engine does on sliding layers.
+    before it are freed as the engine does on sliding layers. ``cache_dtype`` (default
+    ``dtype``): FP8 holds the keys and values rounded (kv_dtype.to_cache).
     """
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1  # + one block that is never written
     physical = torch.randperm(num_blocks, device=device).to(torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = poisoned(shape, dtype, device), poisoned(shape, dtype, device)
+    cache_dtype = cache_dtype or dtype
+    k_cache, v_cache = poisoned(shape, cache_dtype, device), poisoned(shape, cache_dtype, device)
     tables = torch.full(
         (len(seq_lens), max(blocks_per_seq) + 2),
         int(physical[-1]),
@@ -109,7 +113,8 @@ def make_paged(
         # Keys no query may see stay NaN even inside live blocks: the kernels must not read them.
         live = torch.arange(first_needed[seq], num_tokens, device=device)
         slots = (tables[seq, live // block_size].long(), live % block_size)
-        k_cache[slots], v_cache[slots] = k[live], v[live]
+        k_cache[slots] = to_cache(k[live], cache_dtype)
+        v_cache[slots] = to_cache(v[live], cache_dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return Paged(k_cache, v_cache, tables, lens, keys, values)
 
@@ -296,6 +301,18 @@ SMALL_SHAPES = [(4, 16), (16, 32)]  # (block_size, head_dim)
 @pytest.mark.parametrize("window", [None, 8, 24])  # 24: a window wide enough to split
 @pytest.mark.parametrize(("block_size", "head_dim"), SMALL_SHAPES)
 def test_decode_kernel(kernel_device, block_size, head_dim, window, max_seq_len) -> None:
+    _check_decode_kernel(kernel_device, block_size, head_dim, window, max_seq_len)
+
+
+@pytest.mark.parametrize(("window", "max_seq_len"), [(None, None), (24, 16)])
+def test_decode_kernel_fp8_cache(kernel_device, window, max_seq_len) -> None:
+    """An FP8 cache is read as the bf16 values it holds (the reference reads them so too)."""
+    _check_decode_kernel(kernel_device, 16, 32, window, max_seq_len, cache_dtype=FP8)
+
+
+def _check_decode_kernel(
+    kernel_device, block_size, head_dim, window, max_seq_len, *, cache_dtype=None
+) -> None:
     lens = [1, 5, 37, 0, 16]  # 0: a CUDA-graph padding slot, whose output must be zeros
     paged = make_paged(
         lens,
@@ -304,6 +321,7 @@ def test_decode_kernel(kernel_device, block_size, head_dim, window, max_seq_len)
         block_size=block_size,
         dtype=torch.bfloat16,
         device=kernel_device,
+        cache_dtype=cache_dtype,
         **SMALL,
     )
     q, sinks = random_inputs(len(lens), TINY_HEADS, head_dim, torch.bfloat16, kernel_device)
@@ -319,6 +337,17 @@ def test_decode_kernel(kernel_device, block_size, head_dim, window, max_seq_len)
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize(("block_size", "head_dim"), SMALL_SHAPES)
 def test_prefill_kernel(kernel_device, block_size, head_dim, window, chunked) -> None:
+    _check_prefill_kernel(kernel_device, block_size, head_dim, window, chunked)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_prefill_kernel_fp8_cache(kernel_device, window) -> None:
+    _check_prefill_kernel(kernel_device, 16, 32, window, chunked=True, cache_dtype=FP8)
+
+
+def _check_prefill_kernel(
+    kernel_device, block_size, head_dim, window, chunked, *, cache_dtype=None
+) -> None:
     lens = [1, 5, 37, 16, 20]
     new = [1, 2, 19, 16, 1] if chunked else lens
     paged = make_paged(
@@ -328,6 +357,7 @@ def test_prefill_kernel(kernel_device, block_size, head_dim, window, chunked) ->
         block_size=block_size,
         dtype=torch.bfloat16,
         device=kernel_device,
+        cache_dtype=cache_dtype,
         **SMALL,
     )
     q, sinks = random_inputs(sum(new), TINY_HEADS, head_dim, torch.bfloat16, kernel_device)
@@ -379,11 +409,23 @@ REAL_HEADS, REAL_SCALE = 64, 0.125
 @pytest.mark.parametrize("batch", [1, 32, 64])  # one per row of GPU_TILES
 @pytest.mark.parametrize("context", [1, 127, 128, 129, 1000, 8191, 33000])
 def test_decode_gpu(context: int, batch: int, window: int | None) -> None:
+    _check_decode_gpu(context, batch, window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 128])
+@pytest.mark.parametrize(("context", "batch"), [(1, 1), (1000, 64), (33000, 1), (8191, 32)])
+def test_decode_gpu_fp8_cache(context: int, batch: int, window: int | None) -> None:
+    _check_decode_gpu(context, batch, window, cache_dtype=FP8)
+
+
+def _check_decode_gpu(context, batch, window, cache_dtype=None) -> None:
     # The longest sequence has the named context; the others are ragged below it.
     lens = [context, *torch.randint(1, context + 1, (batch - 1,)).tolist()]
     paged = make_paged(
-        lens, first_needed(lens, [1] * batch, window), dtype=torch.bfloat16, device="cuda", **REAL
-    )
+        lens, first_needed(lens, [1] * batch, window), dtype=torch.bfloat16, device="cuda",
+        cache_dtype=cache_dtype, **REAL,
+    )  # fmt: skip
     q, sinks = random_inputs(batch, REAL_HEADS, 64, torch.bfloat16, "cuda")
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, sinks)
     out = paged_attention_decode(
@@ -393,10 +435,12 @@ def test_decode_gpu(context: int, batch: int, window: int | None) -> None:
     log.info("decode %s", assert_close(out, expected, **BF16_TOLERANCE))
 
 
-def _check_prefill_gpu(lens: list[int], new: list[int], window: int | None) -> None:
+def _check_prefill_gpu(lens: list[int], new: list[int], window: int | None,
+                       cache_dtype: torch.dtype | None = None) -> None:  # fmt: skip
     paged = make_paged(
-        lens, first_needed(lens, new, window), dtype=torch.bfloat16, device="cuda", **REAL
-    )
+        lens, first_needed(lens, new, window), dtype=torch.bfloat16, device="cuda",
+        cache_dtype=cache_dtype, **REAL,
+    )  # fmt: skip
     q, sinks = random_inputs(sum(new), REAL_HEADS, 64, torch.bfloat16, "cuda")
     args = (
         q,
@@ -427,6 +471,12 @@ def test_prefill_gpu(num_new: int, cached: int, window: int | None) -> None:
 def test_prefill_gpu_ragged(window: int | None) -> None:
     # Fresh prompts, chunks on top of caches, and a decode-like single token, in one batch.
     _check_prefill_gpu([1, 1017, 549, 5100, 300], [1, 17, 512, 100, 300], window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 128])
+def test_prefill_gpu_ragged_fp8_cache(window: int | None) -> None:
+    _check_prefill_gpu([1, 1017, 549, 5100, 300], [1, 17, 512, 100, 300], window, FP8)
 
 
 @pytest.mark.slow

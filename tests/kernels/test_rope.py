@@ -12,9 +12,10 @@ import os
 
 import pytest
 import torch
-from compare import assert_close, poisoned
+from compare import assert_close, assert_fp8_near, poisoned
 
 from gptoss_serve.config import RopeConfig
+from gptoss_serve.kernels.kv_dtype import FP8, to_cache
 from gptoss_serve.kernels.linear import GEMV_MAX_TOKENS, linear
 from gptoss_serve.kernels.rope import (
     apply_rope,
@@ -50,10 +51,17 @@ def _tolerance(dtype: torch.dtype, device: str) -> dict[str, float]:
     return INTERPRETER_BF16 if dtype == torch.bfloat16 and device == "cpu" else TOLERANCE[dtype]
 
 
-def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, pad: int = 5):
+def _case(
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device: str,
+    pad: int = 5,
+    cache_dtype: torch.dtype | None = None,
+):
     """shape (T, A, KV, D) -> q, k, v as views of one NaN-padded [T, (A + 2 KV) · D + pad]
     qkv buffer, YaRN inv_freq, positions up to 131072, a NaN cache [blocks, 2, 16, KV, D] (K and
-    V interleaved per block) and a slot mapping with distinct slots and every fourth one -1."""
+    V interleaved per block; ``cache_dtype``, default ``dtype``) and a slot mapping with
+    distinct slots and every fourth one -1."""
     tokens, heads, kv_heads, head_dim = shape
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     qkv = poisoned((tokens, q_dim + 2 * kv_dim + pad), dtype, device)
@@ -64,7 +72,7 @@ def _case(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, pad
     positions = torch.randint(0, 131072, (tokens,), device=device)
     inv_freq = yarn_inv_freq(head_dim, GPT_OSS_ROPE).to(device)
     num_blocks = tokens // 8 + 2
-    cache = poisoned((num_blocks, 2, 16, kv_heads, head_dim), dtype, device)
+    cache = poisoned((num_blocks, 2, 16, kv_heads, head_dim), cache_dtype or dtype, device)
     slots = torch.randperm(num_blocks * 16, device=device)[:tokens]
     slots[1::4] = -1  # padded tokens of a CUDA-graph batch; token 0 is always written
     return q, k, v, positions, inv_freq, cache, slots
@@ -103,11 +111,56 @@ def test_cpu_dispatch_is_the_reference() -> None:
         rope_and_cache_write(*args, cache[:, 0, :, :1], cache[:, 1], slots)
 
 
-def _check_kernel(shape: tuple[int, int, int, int], dtype: torch.dtype, device: str) -> None:
+def test_reference_writes_an_fp8_cache_as_to_cache_rounds_the_bf16_one() -> None:
+    """An FP8 cache holds the bf16 cache's values saturated and rounded (kv_dtype.to_cache);
+    q is unchanged; an FP8 cache under float32 activations is refused."""
+    q, k, v, positions, inv_freq, cache, slots = _case((9, 4, 2, 16), torch.bfloat16, "cpu")
+    k.mul_(300.0)  # some keys past ±448 after the rotation: saturated, not NaN
+    fp8_cache = poisoned(cache.shape, FP8, "cpu")
+    args = (q, k, v, positions, inv_freq, 1.3)
+    expected = rope_and_cache_write_reference(*args, cache[:, 0], cache[:, 1], slots)
+    actual = rope_and_cache_write(*args, fp8_cache[:, 0], fp8_cache[:, 1], slots)
+    assert torch.equal(actual, expected)
+    written = slots[slots >= 0]
+    for kv in (0, 1):
+        rows = _written(fp8_cache, written, kv)
+        assert torch.equal(
+            rows.view(torch.uint8), to_cache(_written(cache, written, kv), FP8).view(torch.uint8)
+        )
+    assert int(fp8_cache.isnan().logical_not().sum()) == int(cache.isfinite().sum())
+    assert _written(fp8_cache, written, 0).float().abs().max() == 448.0
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        rope_and_cache_write(q.float(), k.float(), v.float(), positions, inv_freq, 1.3,
+                             fp8_cache[:, 0], fp8_cache[:, 1], slots)  # fmt: skip
+
+
+def _check_cache_rows(cache, expected_cache, slots, tolerance, *, exact_v: bool) -> None:
+    """Slots that must not be written stay poisoned, slot -1 rows are skipped; K within the
+    tolerance (an FP8 cache: at most one code step at 1% of the elements), V as said."""
+    assert torch.equal(cache.isnan(), expected_cache.isnan())
+    written = slots[slots >= 0]
+    for kv in (0, 1):
+        actual, expected = _written(cache, written, kv), _written(expected_cache, written, kv)
+        if kv == 1 and exact_v:
+            assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+        elif cache.dtype == FP8:
+            assert_fp8_near(actual, expected, max_mismatch=0.01)
+        else:
+            assert_close(actual, expected, **tolerance)
+
+
+def _check_kernel(
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device: str,
+    cache_dtype: torch.dtype | None = None,
+) -> None:
     rope_and_cache_write_triton = pytest.importorskip(
         "gptoss_serve.kernels._rope"
     ).rope_and_cache_write_triton
-    q, k, v, positions, inv_freq, cache, slots = _case(shape, dtype, device)
+    q, k, v, positions, inv_freq, cache, slots = _case(
+        shape, dtype, device, cache_dtype=cache_dtype
+    )
     tokens, heads, _, head_dim = shape
     scaling = GPT_OSS_ROPE.attention_scaling
     expected_cache = cache.clone()
@@ -122,15 +175,7 @@ def _check_kernel(shape: tuple[int, int, int, int], dtype: torch.dtype, device: 
     )
     assert actual is out and out_buffer[..., head_dim:].isnan().all()
     assert_close(actual, expected, **_tolerance(dtype, device))
-    # Slots that must not be written stay poisoned, slot -1 rows are skipped, V is copied.
-    assert torch.equal(cache.isnan(), expected_cache.isnan())
-    written = slots[slots >= 0]
-    assert_close(
-        _written(cache, written, 0),
-        _written(expected_cache, written, 0),
-        **_tolerance(dtype, device),
-    )
-    assert torch.equal(_written(cache, written, 1), _written(expected_cache, written, 1))
+    _check_cache_rows(cache, expected_cache, slots, _tolerance(dtype, device), exact_v=True)
 
 
 @interpreter
@@ -150,6 +195,14 @@ def test_kernel_gpu(tokens: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @not_interpreted
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_kernel_gpu_fp8_cache(tokens: int) -> None:
+    """(Not in the interpreter: Triton 3.6's interpreter rounds float -> FP8 wrongly.)"""
+    _check_kernel((tokens, 64, 8, 64), torch.bfloat16, "cuda", cache_dtype=FP8)
+
+
+@pytest.mark.gpu
+@not_interpreted
 def test_gpu_dispatch() -> None:
     q, k, v, positions, inv_freq, cache, slots = _case((33, 64, 8, 64), torch.bfloat16, "cuda")
     expected_cache = cache.clone()
@@ -162,7 +215,9 @@ def test_gpu_dispatch() -> None:
     assert torch.equal(cache.isnan(), expected_cache.isnan())
 
 
-def _qkv_case(shape: tuple[int, int, int, int, int], device: str):
+def _qkv_case(
+    shape: tuple[int, int, int, int, int], device: str, cache_dtype: torch.dtype | None = None
+):
     """shape (T, A, KV, D, H) -> bf16 x [T, H], the q/k/v weight and bias, and the rest of
     ``_case`` (positions, inv_freq, NaN cache, slots with -1s)."""
     tokens, heads, kv_heads, head_dim, hidden = shape
@@ -174,19 +229,24 @@ def _qkv_case(shape: tuple[int, int, int, int, int], device: str):
 
     x, weight, bias = normal(tokens, hidden), normal(rows, hidden) * hidden**-0.5, normal(rows)
     _, _, _, positions, inv_freq, cache, slots = _case(
-        (tokens, heads, kv_heads, head_dim), torch.bfloat16, device
+        (tokens, heads, kv_heads, head_dim), torch.bfloat16, device, cache_dtype=cache_dtype
     )
     return x, weight, bias, positions, inv_freq, cache, slots
 
 
-def _check_fused(shape: tuple[int, int, int, int, int], device: str, tolerance: dict) -> None:
+def _check_fused(
+    shape: tuple[int, int, int, int, int],
+    device: str,
+    tolerance: dict,
+    cache_dtype: torch.dtype | None = None,
+) -> None:
     """The fused q/k/v GEMV + RoPE + cache write against the reference composite, into a
     poisoned q view and cache."""
     qkv_rope_triton = pytest.importorskip("gptoss_serve.kernels._qkv_rope").qkv_rope_triton
     from gptoss_serve.kernels.linear import GemvTiles  # noqa: PLC0415
 
     tokens, heads, kv_heads, head_dim, _ = shape
-    x, weight, bias, positions, inv_freq, cache, slots = _qkv_case(shape, device)
+    x, weight, bias, positions, inv_freq, cache, slots = _qkv_case(shape, device, cache_dtype)
     scaling = GPT_OSS_ROPE.attention_scaling
     table = rope_cos_sin_table(131072, inv_freq, scaling)
     expected_cache = cache.clone()
@@ -203,11 +263,7 @@ def _check_fused(shape: tuple[int, int, int, int, int], device: str, tolerance: 
         )  # fmt: skip
         assert actual is out and out_buffer[..., head_dim:].isnan().all()
         assert_close(actual, expected, **tolerance)
-        assert torch.equal(cache.isnan(), expected_cache.isnan())
-        written = slots[slots >= 0]
-        for kv in (0, 1):
-            assert_close(_written(cache, written, kv), _written(expected_cache, written, kv),
-                         **tolerance)  # fmt: skip
+        _check_cache_rows(cache, expected_cache, slots, tolerance, exact_v=False)
 
 
 def test_qkv_reference_is_projection_then_rope() -> None:
@@ -251,6 +307,13 @@ def test_fused_qkv_kernel_interpreted(shape: tuple[int, int, int, int, int]) -> 
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_fused_qkv_kernel_gpu(tokens: int) -> None:
     _check_fused((tokens, 64, 8, 64, 2880), "cuda", TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@not_interpreted
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_fused_qkv_kernel_gpu_fp8_cache(tokens: int) -> None:
+    _check_fused((tokens, 64, 8, 64, 2880), "cuda", TOLERANCE[torch.bfloat16], cache_dtype=FP8)
 
 
 @pytest.mark.gpu

@@ -59,10 +59,16 @@ class Figure:
 
 
 def decode_ceiling_tok_s(
-    config: ModelConfig, batch: int, context: int, rates: DeviceRates = H200_RATES
+    config: ModelConfig,
+    batch: int,
+    context: int,
+    rates: DeviceRates = H200_RATES,
+    *,
+    kv_element_bytes: int = 2,
 ) -> float:
     """Tokens/s if one decode step only read its bytes at the copy rate: every non-expert
-    weight, the distinct experts ``batch`` tokens touch per layer, and each sequence's KV."""
+    weight, the distinct experts ``batch`` tokens touch per layer, and each sequence's KV
+    (``kv_element_bytes`` an element: 1 for an FP8 cache)."""
     h, e, k = config.hidden_size, config.num_local_experts, config.num_experts_per_tok
     attention = (h * (config.q_dim + 2 * config.kv_dim) + config.q_dim * h) * 2
     router = e * h * 2
@@ -70,7 +76,7 @@ def decode_ceiling_tok_s(
     distinct = e * (1 - (1 - k / e) ** batch)
     weights = config.num_hidden_layers * (attention + router + distinct * expert)
     weights += config.vocab_size * h * 2
-    spec = KvCacheSpec.from_model_config(config)
+    spec = KvCacheSpec.from_model_config(config, dtype_bytes=kv_element_bytes)
     kv = spec.layer_token_bytes * (
         spec.num_full_layers * context + spec.num_sliding_layers * min(context, spec.sliding_window)
     )

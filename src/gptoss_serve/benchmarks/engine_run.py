@@ -20,6 +20,7 @@ from gptoss_serve.benchmarks import engine_bench as eb
 from gptoss_serve.config import EngineConfig, SamplingParams
 from gptoss_serve.engine.startup import build_engine, seqs_that_fit_gpu
 from gptoss_serve.engine.weights import ModelWeights
+from gptoss_serve.kernels.kv_dtype import cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ FIT_CONTEXT = 128 * 1024  # tokens of context the capped process must serve
 FIT_OUTPUT_TOKENS = 16
 DECODE_BATCHES = (8, 32, 64)  # the concurrent decode figures
 THROUGHPUT_LENGTH = 1024  # prompt and output tokens of each max-throughput sequence
+FIT_ROUNDS = 4  # measurements of the seats that fit (_fit_seats)
 
 
 def run_engine_bench(
@@ -42,12 +44,14 @@ def run_engine_bench(
                    plan.max_num_tokens)  # fmt: skip
     device = torch.cuda.get_device_name(weights.device) if weights.device.type == "cuda" else "cpu"
     rates = eb.device_rates(device)
+    kv_bytes = cache_dtype(config.kv_cache_dtype, weights.dtype).itemsize
     figures = []
 
     def decode(figure: str, batch: int, context: int) -> None:
         value = eb.decode_tok_s(make_core, model, batch=batch, context=context,
                                 num_tokens=decode_tokens)  # fmt: skip
-        ceiling = eb.decode_ceiling_tok_s(model, batch, context + decode_tokens // 2, rates)
+        ceiling = eb.decode_ceiling_tok_s(model, batch, context + decode_tokens // 2, rates,
+                                          kv_element_bytes=kv_bytes)  # fmt: skip
         figures.append(eb.Figure(figure, value, ceiling, "tok/s"))
         logger.warning("%s: %.1f tok/s", figure, value)
 
@@ -69,7 +73,7 @@ def run_engine_bench(
     seqs = min(throughput_seqs, config.scheduler.max_num_seqs,
                plan.max_num_tokens // (2 * THROUGHPUT_LENGTH))  # fmt: skip
     value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=THROUGHPUT_LENGTH)
-    ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536, rates)
+    ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536, rates, kv_element_bytes=kv_bytes)
     figures.append(eb.Figure("max_throughput_tok_s", value, ceiling, f"tok/s ({seqs} seqs)"))
     figures.append(eb.Figure("peak_gpu_memory_gb", eb.peak_memory_gb(weights.device), None, "GB"))
     return {
@@ -80,7 +84,8 @@ def run_engine_bench(
                      "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
                      "decode_tokens": decode_tokens, "cuda_graphs": config.use_cuda_graphs,
                      "programmatic_launch": config.programmatic_launch,
-                     "async_scheduling": config.async_scheduling},
+                     "async_scheduling": config.async_scheduling,
+                     "kv_cache_dtype": config.kv_cache_dtype},
         "figures": figures,
     }  # fmt: skip
 
@@ -89,16 +94,30 @@ def _fit_seats(weights: ModelWeights, config: EngineConfig) -> EngineConfig:
     """``config`` with max_num_seqs lowered to the max-throughput sequences (2k tokens each)
     that fit this GPU, where the requested ones do not (on an 80 GB card the default 1024
     would leave the sliding windows' reserve no room for full-attention blocks), but never
-    below the largest decode batch measured."""
+    below the largest decode batch measured.
+
+    The memory a step needs is measured at the seat count it is asked for (its logits buffer
+    grows with the seats: 1.6 GB at 1024 seats of 120b), so the count that fits at 1024 seats
+    errs low; it is measured again at the lower count until more no longer fit (an FP8 cache
+    on an H100: 63 at 1024 seats, 100+ at 64)."""
     if weights.device.type != "cuda" or config.kv_cache_tokens is not None:
         return config
-    fit = seqs_that_fit_gpu(weights, config, tokens_per_seq=2 * THROUGHPUT_LENGTH)
-    requested = config.scheduler.max_num_seqs
-    if fit >= requested:
+    requested = seats = config.scheduler.max_num_seqs
+    for _ in range(FIT_ROUNDS):
+        fit = seqs_that_fit_gpu(weights, _with_seats(config, seats),
+                                tokens_per_seq=2 * THROUGHPUT_LENGTH)  # fmt: skip
+        lowered = min(requested, max(fit, *DECODE_BATCHES))
+        if lowered == seats or (lowered > seats and fit <= seats):
+            break
+        seats = lowered
+    if seats == requested:
         return config
-    seats = max(fit, *DECODE_BATCHES)
     logger.warning("max_num_seqs %d -> %d: %d sequences of %d tokens fit the KV cache",
                    requested, seats, fit, 2 * THROUGHPUT_LENGTH)  # fmt: skip
+    return _with_seats(config, seats)
+
+
+def _with_seats(config: EngineConfig, seats: int) -> EngineConfig:
     return replace(config, scheduler=replace(config.scheduler, max_num_seqs=seats))
 
 
@@ -132,9 +151,9 @@ def cap_process_memory(device: int = 0) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, FIT_CAP_GB * 1e9 / total), device)
 
 
-def fit_check_subprocess(model: str) -> dict:
+def fit_check_subprocess(model: str, kv_cache_dtype: str = "auto") -> dict:
     command = [sys.executable, "-m", "gptoss_serve.cli", "bench", "--model", model,
-               "--fit-check-only"]  # fmt: skip
+               "--kv-cache-dtype", kv_cache_dtype, "--fit-check-only"]  # fmt: skip
     logger.warning("fit check: %s", " ".join(command))
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

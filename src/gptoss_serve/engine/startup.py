@@ -37,6 +37,7 @@ from gptoss_serve.engine.ops import REFERENCE_OPS, Ops, kernel_ops
 from gptoss_serve.engine.scheduler import Scheduler
 from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from gptoss_serve.engine.weights import ModelWeights
+from gptoss_serve.kernels.kv_dtype import cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,14 @@ def build_engine(
     what a failed step restarts with), the runner, and the KV cache plan."""
     model = weights.config
     scheduler_config, ops, spec = _engine_parts(weights, config)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, weights.dtype)
     plan = _plan(weights, config, scheduler_config, spec, ops)
     kv = allocate_kv_cache(
         model,
         num_full_blocks=plan.num_full_blocks,
         num_sliding_blocks=plan.num_sliding_blocks,
         device=weights.device,
-        dtype=weights.dtype,
+        dtype=kv_dtype,
     )
     runner = ModelRunner(
         weights, kv, scheduler_config, ops=ops, use_cuda_graphs=config.use_cuda_graphs
@@ -105,7 +107,8 @@ def _engine_parts(
         max_model_len=min(config.scheduler.max_model_len, weights.config.max_position_embeddings),
     )
     ops = REFERENCE_OPS if config.reference_ops else kernel_ops(pdl=config.programmatic_launch)
-    spec = KvCacheSpec.from_model_config(weights.config, dtype_bytes=weights.dtype.itemsize)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, weights.dtype)
+    spec = KvCacheSpec.from_model_config(weights.config, dtype_bytes=kv_dtype.itemsize)
     return scheduler, ops, spec
 
 
@@ -135,7 +138,8 @@ def _kv_cache_bytes(
     weights: ModelWeights, config: EngineConfig, scheduler: SchedulerConfig, ops: Ops
 ) -> int:
     """Device bytes the KV cache may take under the config's cap, after one step's peak."""
-    peak = profile_step_memory(weights, scheduler, ops)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, weights.dtype)
+    peak = profile_step_memory(weights, scheduler, ops, kv_dtype)
     free, total = torch.cuda.mem_get_info(weights.device)
     max_bytes = None if config.max_gpu_memory_gb is None else int(config.max_gpu_memory_gb * 1e9)
     return kv_cache_bytes(
@@ -163,9 +167,12 @@ def seqs_that_fit_gpu(weights: ModelWeights, config: EngineConfig, *, tokens_per
     )
 
 
-def profile_step_memory(weights: ModelWeights, scheduler: SchedulerConfig, ops: Ops) -> int:
+def profile_step_memory(
+    weights: ModelWeights, scheduler: SchedulerConfig, ops: Ops, kv_dtype: torch.dtype
+) -> int:
     """Peak bytes one step of the full token budget allocates beyond what is held now: one
-    dummy prefill over a scratch cache just large enough, then everything is freed."""
+    dummy prefill over a scratch cache (of ``kv_dtype``) just large enough, then everything is
+    freed."""
     device = weights.device
     num_tokens = scheduler.max_num_batched_tokens
     num_blocks = cdiv(num_tokens, BLOCK_SIZE)
@@ -177,7 +184,7 @@ def profile_step_memory(weights: ModelWeights, scheduler: SchedulerConfig, ops: 
         num_full_blocks=num_blocks,
         num_sliding_blocks=num_blocks,
         device=device,
-        dtype=weights.dtype,
+        dtype=kv_dtype,
     )
     output = _dummy_step([], num_tokens)
     batch = InputBatch(

@@ -36,13 +36,28 @@ def key_row_offsets(table_row, keys, key_mask, stride_cb, stride_ct, PAGE_SIZE: 
 
 @triton.jit
 def load_rows(base, offsets, dims, row_mask):
-    """Gather [N, D] rows at base + offsets[n] + dims[d]; masked rows read nothing (zeros)."""
+    """Gather [N, D] rows at base + offsets[n] + dims[d]; masked rows read nothing (zeros).
+    An FP8 cache's rows come back as bf16 (exact; kernels/kv_dtype.py)."""
     ptrs = base + offsets[:, None] + dims[None, :]
     if row_mask is None:  # noqa: SIM108  (a constexpr branch: Triton specialises it away)
         rows = tl.load(ptrs)
     else:
         rows = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    if base.dtype.element_ty == tl.float8e4nv:
+        rows = rows.to(tl.bfloat16)
     return rows
+
+
+@triton.jit
+def to_cache(values, cache_ptr):
+    """fp32 or bf16 values as the cache at ``cache_ptr`` stores them: the bf16 the model
+    computes, then for an FP8 cache saturated to ±448 and rounded to nearest-even E4M3
+    (kernels/kv_dtype.py's ``to_cache``)."""
+    cache_type = cache_ptr.dtype.element_ty
+    if cache_type == tl.float8e4nv:
+        rounded = values.to(tl.bfloat16).to(tl.float32)
+        return tl.clamp(rounded, -448.0, 448.0).to(cache_type)
+    return values.to(cache_type)
 
 
 @triton.jit

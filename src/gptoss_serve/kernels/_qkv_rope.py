@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from gptoss_serve.kernels._attention_common import to_cache
 from gptoss_serve.kernels._moe_common import _to_bf16
 from gptoss_serve.kernels.linear import GemvTiles
 
@@ -93,14 +94,12 @@ def _qkv_rope_kernel(
     block, offset = tl.maximum(slot, 0) // block_size, tl.maximum(slot, 0) % block_size
     k_ptrs = k_cache_ptr + (block * stride_kc_block + offset * stride_kc_slot)[:, None]
     k_ptrs += (tl.minimum(tl.maximum(head - A, 0), KV - 1) * stride_kc_head + d)[None, :]
-    k_type = k_cache_ptr.dtype.element_ty
-    tl.store(k_ptrs, rotated_first.to(k_type), mask=is_k)
-    tl.store(k_ptrs + HALF, rotated_second.to(k_type), mask=is_k)
+    tl.store(k_ptrs, to_cache(rotated_first, k_cache_ptr), mask=is_k)
+    tl.store(k_ptrs + HALF, to_cache(rotated_second, k_cache_ptr), mask=is_k)
     v_ptrs = v_cache_ptr + (block * stride_vc_block + offset * stride_vc_slot)[:, None]
     v_ptrs += (tl.minimum(tl.maximum(head - A - KV, 0), KV - 1) * stride_vc_head + d)[None, :]
-    v_type = v_cache_ptr.dtype.element_ty
-    tl.store(v_ptrs, first.to(v_type), mask=is_v)
-    tl.store(v_ptrs + HALF, second.to(v_type), mask=is_v)
+    tl.store(v_ptrs, to_cache(first, v_cache_ptr), mask=is_v)
+    tl.store(v_ptrs + HALF, to_cache(second, v_cache_ptr), mask=is_v)
 
 
 def qkv_rope_triton(

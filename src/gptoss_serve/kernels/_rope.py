@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from gptoss_serve.kernels._attention_common import to_cache
+
 
 @triton.jit
 def _rotate_heads(
@@ -30,9 +32,8 @@ def _rotate_heads(
     second = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
     cos, sin = cos[None, :], sin[None, :]
     dst = dst_ptr + heads * dst_stride_head + dims
-    out_dtype = dst_ptr.dtype.element_ty
-    tl.store(dst, (first * cos - second * sin).to(out_dtype), mask=mask)
-    tl.store(dst + half, (second * cos + first * sin).to(out_dtype), mask=mask)
+    tl.store(dst, to_cache(first * cos - second * sin, dst_ptr), mask=mask)
+    tl.store(dst + half, to_cache(second * cos + first * sin, dst_ptr), mask=mask)
 
 
 @triton.jit
@@ -77,7 +78,7 @@ def _rope_cache_kernel(
         mask = (heads < num_kv_heads) & (cols < 2 * half)
         v = tl.load(v_ptr + token * stride_v_token + heads * stride_v_head + cols, mask=mask)
         v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
-        tl.store(v_dst + heads * stride_vc_head + cols, v.to(v_dst.dtype.element_ty), mask=mask)
+        tl.store(v_dst + heads * stride_vc_head + cols, to_cache(v, v_dst), mask=mask)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ references of the same signatures at the bottom.
 
 The paged KV cache (the contract with the engine), per layer:
 
-- ``k_cache``, ``v_cache``: [num_blocks, block_size, num_kv_heads, head_dim] bf16. block_size
+- ``k_cache``, ``v_cache``: [num_blocks, block_size, num_kv_heads, head_dim] bf16 (or FP8
+  E4M3, read as bf16: kernels/kv_dtype.py; float32 in the verification mode). block_size
   is a power of two, default ``DEFAULT_BLOCK_SIZE`` = 16: the kernels gather keys one row at a
   time through the block table, so their tiles (64 keys) do not depend on it, and 16 keeps the
   waste of half-filled blocks, prefix-sharing granularity and a sliding layer's footprint (at
@@ -40,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gptoss_serve.kernels.kv_dtype import check_cache
 from gptoss_serve.kernels.launch import pdl_applies
 
 DEFAULT_BLOCK_SIZE = 16
@@ -180,12 +182,17 @@ def paged_attention_prefill(  # noqa: PLR0917  (the engine calls it positionally
 
 
 def kv_bytes_read(
-    seq_lens: Sequence[int] | torch.Tensor, window: int | None, num_kv_heads: int, head_dim: int
+    seq_lens: Sequence[int] | torch.Tensor,
+    window: int | None,
+    num_kv_heads: int,
+    head_dim: int,
+    element_bytes: int = 2,
 ) -> int:
-    """Bytes of bf16 K and V one decode step must read: min(len, window) keys per sequence."""
+    """Bytes of K and V (bf16 unless said) one decode step must read: min(len, window) keys
+    per sequence."""
     lengths = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
     num_keys = sum(n if window is None else min(n, window) for n in lengths)
-    return 2 * num_keys * num_kv_heads * head_dim * 2  # (K + V) x 2 bytes
+    return 2 * num_keys * num_kv_heads * head_dim * element_bytes  # K + V
 
 
 def _check_paged(
@@ -199,8 +206,9 @@ def _check_paged(
 ) -> None:
     """The layout the kernels assume (see the module docstring)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError("k_cache and v_cache: same shape, q's dtype")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache: same shape and dtype")
+    check_cache(k_cache.dtype, q.dtype)
     if q.shape[-1] != head_dim or q.shape[1] % num_kv_heads or sinks.shape != (q.shape[1],):
         raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
     if block_size & (block_size - 1) or head_dim & (head_dim - 1) or head_dim < 16:
@@ -268,8 +276,8 @@ def paged_attention_prefill_reference(  # noqa: PLR0917  (the op's signature)
         table_row = block_tables[seq]
         out[rows] = sink_attention(
             q[rows],
-            _gather(k_cache, table_row, first_key, seq_len),
-            _gather(v_cache, table_row, first_key, seq_len),
+            _gather(k_cache, table_row, first_key, seq_len).to(q.dtype),  # FP8: exact
+            _gather(v_cache, table_row, first_key, seq_len).to(q.dtype),
             sinks,
             query_start=first_query,
             key_start=first_key,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from gptoss_serve.kernels import linear
+from gptoss_serve.kernels.kv_dtype import check_cache, to_cache
 from gptoss_serve.kernels.launch import pdl_applies
 
 
@@ -48,6 +49,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
     if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"cache {tuple(k_cache.shape)} is not [blocks, block_size, KV, D]")
+    check_cache(k_cache.dtype, k.dtype)
 
 
 def rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tensor)
@@ -103,8 +105,8 @@ def rope_and_cache_write_reference(  # noqa: PLR0917 (the op's signature)
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
     # Indexing with (block, offset) pairs writes through views of a larger cache tensor too.
-    k_cache[blocks, offsets] = apply_rope(k, cos, sin)[written].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[written].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache(apply_rope(k, cos, sin)[written], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache(v[written], v_cache.dtype)
     return apply_rope(q, cos, sin)
 
 
