@@ -29,7 +29,7 @@ import pytest
 import torch
 from compare import assert_close, poisoned
 
-from gptoss_serve.kernels import attention
+from gptoss_serve.kernels import attention, kv_dtype
 from gptoss_serve.kernels.attention import (
     DEFAULT_BLOCK_SIZE,
     paged_attention_decode,
@@ -374,6 +374,33 @@ def _check_prefill_kernel(
     out = paged_attention_prefill(*args, **options, out=poisoned(q.shape, q.dtype, kernel_device))
     expected = paged_attention_prefill_reference(*args, **options)
     log.info("prefill %s", assert_close(out, expected, **BF16_TOLERANCE))
+    if cache_dtype == FP8:  # full layers read bf16 copies of the blocks: the same values
+        _check_upcast_is_the_direct_read(args, options, out)
+
+
+def _check_upcast_is_the_direct_read(args: tuple, options: dict, out: torch.Tensor) -> None:
+    """The prefill op's output over an FP8 cache equals the kernel's reading the FP8 cache
+    itself, bit for bit, whether the op copied the blocks to bf16 (full layers) or not."""
+    from gptoss_serve.kernels._attention_prefill import launch_prefill  # noqa: PLC0415
+
+    direct = launch_prefill(*args, torch.empty_like(out), **options)
+    assert torch.equal(direct, out)
+
+
+def test_upcast_blocks_copies_the_named_blocks_as_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = to_cache(torch.randn(7, 4, 2, 16), FP8)
+    values = to_cache(torch.randn(7, 4, 2, 16), FP8)
+    tables = torch.tensor([[3, 0, -1], [6, 6, 2]], dtype=torch.int32)
+    keys, vals, table = kv_dtype.upcast_blocks(cache, values, tables)
+    assert keys.dtype == vals.dtype == torch.bfloat16 and table.tolist() == [[0, 1, 2], [3, 4, 5]]
+    for row, blocks in enumerate(tables.tolist()):
+        for column, block in enumerate(blocks):
+            if block >= 0:  # -1: some block no query reads
+                copy = table[row, column]
+                assert torch.equal(keys[copy], cache[block].to(torch.bfloat16))
+                assert torch.equal(vals[copy], values[block].to(torch.bfloat16))
+    monkeypatch.setattr(kv_dtype, "UPCAST_MAX_BYTES", keys.numel() * 4 - 1)
+    assert kv_dtype.upcast_blocks(cache, values, tables) is None
 
 
 @pytest.mark.parametrize("window", [None, 8])
@@ -456,6 +483,8 @@ def _check_prefill_gpu(lens: list[int], new: list[int], window: int | None,
     )
     expected = paged_attention_prefill_reference(*args, window=window, scale=REAL_SCALE)
     log.info("prefill %s", assert_close(out, expected, **BF16_TOLERANCE))
+    if cache_dtype == FP8:
+        _check_upcast_is_the_direct_read(args, dict(window=window, scale=REAL_SCALE), out)
 
 
 @pytest.mark.gpu

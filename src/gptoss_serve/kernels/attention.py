@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gptoss_serve.kernels.kv_dtype import check_cache
+from gptoss_serve.kernels.kv_dtype import FP8, check_cache, upcast_blocks
 from gptoss_serve.kernels.launch import pdl_applies
 
 DEFAULT_BLOCK_SIZE = 16
@@ -175,6 +175,10 @@ def paged_attention_prefill(  # noqa: PLR0917  (the engine calls it positionally
     if query_start_loc.dtype != torch.int32 or query_start_loc.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError("query_start_loc must be int32 [num_seqs + 1]")
     out = _output(q, out)
+    if k_cache.dtype == FP8 and window is None:  # sliding layers need a window of the table
+        upcast = upcast_blocks(k_cache, v_cache, block_tables)
+        if upcast is not None:
+            k_cache, v_cache, block_tables = upcast
     return launch_prefill(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sinks, out,
         window=window, scale=scale,

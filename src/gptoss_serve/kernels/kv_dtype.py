@@ -11,6 +11,11 @@ Writing (the reference ``to_cache`` and the Triton kernels alike): K after RoPE 
 the bf16 values the model computes, then saturated to ±448 and rounded to nearest-even E4M3
 (``cvt.rn.satfinite`` on the GPU). Reading (``_attention_common.load_rows``): E4M3 -> bf16 is
 exact, and the attention then runs as on a bf16 cache.
+
+Prefill over full-attention layers reads no FP8 in its kernel: there the tiles converted in
+registers must go back through shared memory for wgmma, which halved the kernel's speed (H100,
+8192 tokens: 1,559 -> 3,132 us). ``upcast_blocks`` first copies the blocks of the prefill's
+block tables to a bf16 scratch (a few MB a layer; the same values, so the same output).
 """
 
 from __future__ import annotations
@@ -54,3 +59,28 @@ def check_cache(cache_dtype_: torch.dtype, activation_dtype: torch.dtype) -> Non
             f"a KV cache of {cache_dtype_} under {activation_dtype} activations: the cache "
             "holds the activations' dtype, or float8_e4m3fn under bf16"
         )
+
+
+# Most bytes of bf16 scratch (K and V) ``upcast_blocks`` may take: one 128k-token context of
+# gpt-oss (2 x 131072 tokens x 8 KV heads x 64 x 2 bytes) inside the engine's reserve for
+# transient buffers (startup.RESERVE_BYTES); beyond it the kernel reads the FP8 cache itself.
+UPCAST_MAX_BYTES = 256 << 20
+
+
+def upcast_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The blocks ``block_tables`` [S, W] names, from FP8 caches [blocks, page, KV, D] to bf16
+    copies [S·W, page, KV, D], with the table that names them there (row s: s·W .. s·W + W - 1);
+    None when the copies would exceed ``UPCAST_MAX_BYTES``. Entries that are -1 or past a
+    sequence's end copy some block that no query reads. No host sync: the shapes come from the
+    table's."""
+    num_seqs, width = block_tables.shape
+    page_bytes = k_cache[0].numel() * 2  # one block in bf16
+    if 2 * num_seqs * width * page_bytes > UPCAST_MAX_BYTES:
+        return None
+    ids = block_tables.reshape(-1).clamp(0, k_cache.shape[0] - 1).long()
+    keys = k_cache.view(torch.uint8).index_select(0, ids).view(FP8).to(torch.bfloat16)
+    values = v_cache.view(torch.uint8).index_select(0, ids).view(FP8).to(torch.bfloat16)
+    table = torch.arange(num_seqs * width, dtype=torch.int32, device=block_tables.device)
+    return keys, values, table.view(num_seqs, width)
