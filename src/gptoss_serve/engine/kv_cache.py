@@ -69,9 +69,10 @@ def allocate_kv_cache(
         values.append(storage[group][1, index])
     cache = KvCacheTensors(tuple(keys), tuple(values), groups)
     logger.info(
-        "KV cache allocated: %d full and %d sliding blocks, %.2f GiB",
+        "KV cache allocated: %d full and %d sliding blocks, %.2f GiB of %s",
         num_full_blocks,
         num_sliding_blocks,
         cache.num_bytes / (1 << 30),
+        dtype,
     )
     return cache
