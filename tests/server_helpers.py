@@ -114,6 +114,9 @@ class ScriptedEngine:
         del request_id
         return 0
 
+    def stats(self) -> None:
+        return None
+
     async def close(self) -> None:
         return None
 

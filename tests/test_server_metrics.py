@@ -6,6 +6,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from gptoss_serve.config import ServerConfig
+from gptoss_serve.engine.scheduler_output import SchedulerStats
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import ScriptedEngine, harmony_tokens
@@ -70,3 +71,32 @@ def test_output_tokens_count_while_a_generation_runs() -> None:
         done = _samples(client.get("/metrics").text)
     assert midway[("gptoss_requests_running", ())] == 1
     assert 0 < midway[("gptoss_output_tokens_total", ())] < done[("gptoss_output_tokens_total", ())]
+
+
+class _BusyEngine(ScriptedEngine):
+    """A scripted engine that reports a scheduler's state, as the GPU engine does."""
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=3, num_waiting=2, kv_usage=0.25, sliding_kv_usage=0.5,
+                              num_preemptions=4, num_prefix_queried_tokens=1000,
+                              num_prefix_hit_tokens=640)  # fmt: skip
+
+
+def test_metrics_show_the_engine_scheduler_where_there_is_one() -> None:
+    busy = _BusyEngine([harmony_tokens(REPLY)])
+    with TestClient(create_app(busy, ResponseStore(":memory:"), ServerConfig())) as client:
+        samples = _samples(client.get("/metrics").text)
+    assert samples[("gptoss_engine_requests_running", ())] == 3
+    assert samples[("gptoss_engine_requests_waiting", ())] == 2
+    assert samples[("gptoss_kv_cache_usage_ratio", (("layers", "full"),))] == 0.25
+    assert samples[("gptoss_kv_cache_usage_ratio", (("layers", "sliding"),))] == 0.5
+    assert samples[("gptoss_engine_preemptions_total", ())] == 4
+    assert samples[("gptoss_prefix_cache_queried_tokens_total", ())] == 1000
+    assert samples[("gptoss_prefix_cache_hit_tokens_total", ())] == 640
+    # An engine without a scheduler (the CPU one) adds none of them.
+    plain = ScriptedEngine([harmony_tokens(REPLY)])
+    with TestClient(create_app(plain, ResponseStore(":memory:"), ServerConfig())) as client:
+        names = {name for name, _ in _samples(client.get("/metrics").text)}
+    assert not any(
+        name.startswith(("gptoss_engine", "gptoss_kv", "gptoss_prefix")) for name in names
+    )

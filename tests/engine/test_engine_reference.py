@@ -219,8 +219,14 @@ def test_async_engine_streams_aborts_and_refuses(checkpoint_dirs: dict[str, Path
         async def collect(request_id: str) -> list[int]:
             return [t async for t in engine.generate(request_id, prompts[request_id], greedy)]
 
+        assert engine.stats().num_prefix_queried_tokens == 0
         results = await asyncio.gather(*(collect(r) for r in prompts))
         assert dict(zip(prompts, results, strict=True)) == expected
+        # The scheduler's state after the last step (GET /metrics): idle, blocks held by the
+        # prefix cache only, every prompt token looked up.
+        stats = engine.stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (0, 0, 0)
+        assert stats.num_prefix_queried_tokens == sum(map(len, prompts.values()))
         # A consumer that stops early aborts its request; the engine goes on.
         stream = engine.generate("gone", prompts["s0"], SamplingParams(max_tokens=500))
         await anext(stream)

@@ -14,11 +14,12 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.engine.engine import EngineCore
+from gptoss_serve.engine.scheduler_output import SchedulerStats
 from gptoss_serve.engine.token_stream import DONE, TokenStream, post_all
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ class AsyncEngine:
         # Prefix-cache hits of streams read to the end, until the caller asks (event loop).
         self._cached: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._is_stopped = False
+        # Written by the worker after each round, read by the event loop (a reference swap).
+        # _retired: the counters of cores replaced after a failed step, so totals never drop.
+        self._retired: _Counters = (0, 0, 0)
+        self._stats = self._core.scheduler.stats()
         self._thread = threading.Thread(target=self._run, name="gpu-engine", daemon=True)
         self._thread.start()
 
@@ -73,6 +78,9 @@ class AsyncEngine:
     def cached_tokens(self, request_id: str) -> int:
         return self._cached.pop(request_id, 0)
 
+    def stats(self) -> SchedulerStats:
+        return self._stats
+
     async def close(self) -> None:
         with self._condition:
             self._is_stopped = True
@@ -97,6 +105,7 @@ class AsyncEngine:
                     self._core.abort_request(request_id)
             if self._streams:
                 self._step()
+            self._stats = self._totals(self._core.scheduler.stats())
         for stream in [*self._streams.values(), *self._pending]:
             self._finish(stream, EngineError("the engine shut down"))
         self._core.close()
@@ -117,6 +126,7 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 self._finish(stream, EngineError(f"generation failed: {error}"))
             self._streams.clear()
+            self._retired = _add(self._retired, _counters(self._core.scheduler.stats()))
             self._core.close()
             self._core = self._make_core()
             return
@@ -138,6 +148,23 @@ class AsyncEngine:
 
     def _finish(self, stream: _Stream, item: object) -> None:
         post_all([_ending(stream, item)])
+
+    def _totals(self, stats: SchedulerStats) -> SchedulerStats:
+        preemptions, queried, hit = _add(self._retired, _counters(stats))
+        return replace(stats, num_preemptions=preemptions, num_prefix_queried_tokens=queried,
+                       num_prefix_hit_tokens=hit)  # fmt: skip
+
+
+_Counters = tuple[int, int, int]
+
+
+def _counters(stats: SchedulerStats) -> _Counters:
+    """The cumulative fields of a scheduler's stats."""
+    return stats.num_preemptions, stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens
+
+
+def _add(a: _Counters, b: _Counters) -> _Counters:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
 
 
 def _ending(stream: _Stream, item: object) -> tuple[_Stream, object]:

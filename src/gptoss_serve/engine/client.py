@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gptoss_serve.config import SamplingParams
+from gptoss_serve.engine.scheduler_output import SchedulerStats
 
 
 class EngineError(RuntimeError):
@@ -43,6 +44,11 @@ class EngineClient(Protocol):
         """Prompt tokens of a generation that ended (its stream was read to the end) that
         came from the prefix cache: ``usage.input_tokens_details.cached_tokens``. 0 when the
         engine has no prefix cache or does not know the request. Reading it forgets it."""
+        ...
+
+    def stats(self) -> SchedulerStats | None:
+        """The scheduler's state as of its latest step (queues, KV cache usage, preemptions,
+        prefix-cache lookups: ``GET /metrics``), or None for an engine without a scheduler."""
         ...
 
     async def close(self) -> None:

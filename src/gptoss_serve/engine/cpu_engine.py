@@ -80,6 +80,10 @@ class CpuEngine:
         del request_id
         return 0  # no prefix cache: every prompt is computed
 
+    def stats(self) -> None:
+        """No scheduler: the CPU engine decodes its requests in turn."""
+        return None
+
     async def close(self) -> None:
         with self._condition:
             self._is_stopped = True

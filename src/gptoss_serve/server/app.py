@@ -54,7 +54,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
         yield
         await _shut_down(runs, engine, renderers, store)
 
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.stats)
     runs = BackgroundRuns(engine, store, metrics)
     renderers = RenderWorkers(config.render_processes)
 

@@ -1,17 +1,25 @@
-"""The server's Prometheus metrics (``GET /metrics``): requests, tokens and their latencies.
+"""The server's Prometheus metrics (``GET /metrics``): requests, tokens and their latencies,
+and the engine's scheduler (queues, KV cache usage, preemptions, prefix-cache lookups).
 
 One registry per app (tests build many apps in one process). ``RequestTimer`` follows one
 generation: ``run`` in responses.py starts it, marks each output token and ends it with the
 response's status; a generation cut off by a disconnect or a cancel ends as ``cancelled``.
+``EngineCollector`` reads the engine's latest ``SchedulerStats`` at each scrape (nothing for
+an engine without a scheduler, the CPU one).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from gptoss_serve.engine.scheduler_output import SchedulerStats
 
 # Seconds: from a few ms (a cached short prompt) to minutes (a long prefill in a busy queue).
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -20,8 +28,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, engine_stats: Callable[[], SchedulerStats | None] | None = None) -> None:
         self.registry = CollectorRegistry()
+        if engine_stats is not None:
+            self.registry.register(EngineCollector(engine_stats))
         self.requests = Counter(
             "gptoss_requests", "Generations finished, by the response's status.", ["status"],
             registry=self.registry,
@@ -57,6 +67,40 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """The scheduler's state as of the engine's latest step, read at scrape time."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        single = (
+            (GaugeMetricFamily, "gptoss_engine_requests_running",
+             "Requests in the engine's running batch.", stats.num_running),
+            (GaugeMetricFamily, "gptoss_engine_requests_waiting",
+             "Requests waiting for a seat or KV cache room.", stats.num_waiting),
+            (CounterMetricFamily, "gptoss_engine_preemptions",
+             "Requests preempted for KV cache room (recomputed on return).",
+             stats.num_preemptions),
+            (CounterMetricFamily, "gptoss_prefix_cache_queried_tokens",
+             "Prompt tokens of admitted requests looked up in the cache.",
+             stats.num_prefix_queried_tokens),
+            (CounterMetricFamily, "gptoss_prefix_cache_hit_tokens",
+             "Prompt tokens found in the prefix cache.", stats.num_prefix_hit_tokens),
+        )  # fmt: skip
+        for family, name, text, value in single:
+            yield family(name, text, value=value)
+        usage = GaugeMetricFamily("gptoss_kv_cache_usage_ratio",
+                                  "Fraction of the KV cache's blocks in use, by kind of layer.",
+                                  labels=["layers"])  # fmt: skip
+        usage.add_metric(["full"], stats.kv_usage)
+        usage.add_metric(["sliding"], stats.sliding_kv_usage)
+        yield usage
 
 
 @dataclass
