@@ -12,7 +12,7 @@ from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.engine.engine import StepResult
-from gptoss_serve.engine.scheduler_output import RequestOutput
+from gptoss_serve.engine.scheduler_output import RequestOutput, SchedulerStats
 from gptoss_serve.engine.token_stream import DONE, TokenStream, post_all
 
 
@@ -92,6 +92,9 @@ class _ScriptedCore:
             time.sleep(0.001)
             return StepResult([])
         return self.steps.pop(0)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.requests), 0, 0.0, 0.0, 0, 0, 0)
 
     def close(self) -> None:
         pass

@@ -49,7 +49,7 @@ class AsyncEngine:
         # Written by the worker after each round, read by the event loop (a reference swap).
         # _retired: the counters of cores replaced after a failed step, so totals never drop.
         self._retired: _Counters = (0, 0, 0)
-        self._stats = self._core.scheduler.stats()
+        self._stats = self._core.stats()
         self._thread = threading.Thread(target=self._run, name="gpu-engine", daemon=True)
         self._thread.start()
 
@@ -105,7 +105,7 @@ class AsyncEngine:
                     self._core.abort_request(request_id)
             if self._streams:
                 self._step()
-            self._stats = self._totals(self._core.scheduler.stats())
+            self._stats = self._totals(self._core.stats())
         for stream in [*self._streams.values(), *self._pending]:
             self._finish(stream, EngineError("the engine shut down"))
         self._core.close()
@@ -126,7 +126,7 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 self._finish(stream, EngineError(f"generation failed: {error}"))
             self._streams.clear()
-            self._retired = _add(self._retired, _counters(self._core.scheduler.stats()))
+            self._retired = _add(self._retired, _counters(self._core.stats()))
             self._core.close()
             self._core = self._make_core()
             return

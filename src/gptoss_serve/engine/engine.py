@@ -37,7 +37,7 @@ from gptoss_serve.engine.model_runner import (
 )
 from gptoss_serve.engine.request import Request
 from gptoss_serve.engine.scheduler import Scheduler
-from gptoss_serve.engine.scheduler_output import RequestOutput, SchedulerOutput
+from gptoss_serve.engine.scheduler_output import RequestOutput, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,10 @@ class EngineCore:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
         self._drop(request_id)
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's queues, KV cache usage and counters now."""
+        return self.scheduler.stats()
 
     @property
     def has_unfinished_requests(self) -> bool:
