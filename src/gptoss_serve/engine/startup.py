@@ -42,7 +42,8 @@ from gptoss_serve.kernels.kv_dtype import cache_dtype
 logger = logging.getLogger(__name__)
 
 # Kept free beyond the measured peak of one step: CUDA graphs' pool, the sampler's buffers,
-# allocator fragmentation.
+# allocator fragmentation, and with an FP8 cache the bf16 copies of a long context's blocks
+# that prefill takes beyond the profiled step's (at most kv_dtype.UPCAST_MAX_BYTES, 256 MiB).
 RESERVE_BYTES = GIB
 
 
