@@ -20,6 +20,7 @@ measure 1.1-1.9e-3 and <= 5.1e-3. Run with ``--log-cli-level=INFO`` to see the e
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -385,6 +386,16 @@ def _check_upcast_is_the_direct_read(args: tuple, options: dict, out: torch.Tens
 
     direct = launch_prefill(*args, torch.empty_like(out), **options)
     assert torch.equal(direct, out)
+
+
+def test_decode_tiles_over_fp8_take_6_stages_up_to_16_sequences() -> None:
+    decode = pytest.importorskip("gptoss_serve.kernels._attention_decode")
+    for batch in (1, 16):
+        assert decode.gpu_tiles_for(batch, fp8_cache=True) == dataclasses.replace(
+            decode.gpu_tiles_for(batch), num_stages=decode.FP8_STAGES_UP_TO_16
+        )
+    for batch in (17, 64):
+        assert decode.gpu_tiles_for(batch, fp8_cache=True) == decode.gpu_tiles_for(batch)
 
 
 def test_upcast_blocks_copies_the_named_blocks_as_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,6 +31,7 @@ from gptoss_serve.kernels._attention_common import (
     softmax_update,
 )
 from gptoss_serve.kernels._moe_common import _prefetch_line
+from gptoss_serve.kernels.kv_dtype import FP8
 
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # target grid: several programs per SM, so many loads are in flight
@@ -74,9 +75,20 @@ GPU_TILES: tuple[tuple[int, DecodeTiles], ...] = (
 CPU_TILES = DecodeTiles(block_n=16, split_min=16, num_warps=1, num_stages=1)
 
 
-def gpu_tiles_for(batch: int) -> DecodeTiles:
-    """The GPU_TILES row serving a decode batch of ``batch`` sequences."""
-    return next((tiles for bound, tiles in GPU_TILES if batch <= bound), GPU_TILES[-1][1])
+# Over an FP8 cache (kernels/kv_dtype.py) a tile holds half the bytes, and up to 16 sequences
+# take 6 stages instead of 4: H100, us a call (bench/RESULTS.md v19 item 4), bs1 1k / 8k /
+# 32k / 128k 5.2-5.4 / 11.3-11.7 / 25.5 / 79.4-81.7 -> 5.3 / 12.0 / 25.5 / 77.3, bs16 8k
+# 94.8-95.0 -> 81.8. The other rows were not measured over FP8.
+FP8_STAGES_UP_TO_16 = 6
+
+
+def gpu_tiles_for(batch: int, fp8_cache: bool = False) -> DecodeTiles:
+    """The GPU_TILES row serving a decode batch of ``batch`` sequences (over an FP8 cache
+    with ``fp8_cache``)."""
+    bound, tiles = next(((b, t) for b, t in GPU_TILES if batch <= b), GPU_TILES[-1])
+    if fp8_cache and bound <= 16:
+        return dataclasses.replace(tiles, num_stages=FP8_STAGES_UP_TO_16)
+    return tiles
 
 
 @functools.cache
@@ -260,7 +272,7 @@ def launch_decode(
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    tiles = gpu_tiles_for(batch) if q.is_cuda else CPU_TILES
+    tiles = gpu_tiles_for(batch, k_cache.dtype == FP8) if q.is_cuda else CPU_TILES
     max_keys = block_tables.shape[1] * page_size if max_seq_len is None else max_seq_len
     if window is not None:
         max_keys = min(max_keys, window)
