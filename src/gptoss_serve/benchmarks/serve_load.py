@@ -42,6 +42,7 @@ DELTA_TYPES = frozenset(
     }
 )
 TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed"})
+MIN_OUTPUT_LEN = 16  # the smallest max_output_tokens the Responses API takes
 # `incomplete` is what a max_output_tokens cut gives: the benchmark asks for exactly that.
 OK_STATUSES = frozenset({"completed", "incomplete"})
 REASONING_EFFORTS = ("low", "medium", "high")
@@ -71,9 +72,14 @@ class BenchServeConfig:
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base URL must start with http:// or https://: {self.base_url!r}")
-        for name in ("num_requests", "concurrency", "input_len", "output_len"):
+        for name in ("num_requests", "concurrency", "input_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.output_len < MIN_OUTPUT_LEN:
+            raise ValueError(
+                f"output_len must be >= {MIN_OUTPUT_LEN} (the Responses API's smallest "
+                f"max_output_tokens), got {self.output_len}"
+            )
         if self.warmup < 0 or self.shared_prefix_len < 0:
             raise ValueError("warmup and shared_prefix_len must be >= 0")
         if self.input_len < self.shared_prefix_len + MAX_MARKER_TOKENS:

@@ -142,9 +142,44 @@ def from_validation_error(error: RequestValidationError, body: Any) -> APIError:
             f"We could not parse the JSON body of your request: {detail}", None, "invalid_json"
         )
     param = _param(body, first)
+    bound = _out_of_range(param, first)
+    if bound is not None:
+        return bad_request(*bound)
     template = _MESSAGES.get(kind, "Invalid value for '{param}': {msg}.")
     message = template.format(param=param, msg=first.get("msg", "invalid").rstrip("."))
     return bad_request(message, param, _CODES.get(kind, "invalid_value"))
+
+
+# pydantic's number bounds -> the real API's words: (which side, its comparison).
+_BOUNDS = {
+    "greater_than_equal": ("below", "min", "ge", ">="),
+    "greater_than": ("below", "min", "gt", ">"),
+    "less_than_equal": ("above", "max", "le", "<="),
+    "less_than": ("above", "max", "lt", "<"),
+}
+
+
+def _out_of_range(param: str | None, error: dict[str, Any]) -> tuple[str, str | None, str] | None:
+    """(message, param, code) of a number outside its bounds, as the real API words it:
+    ``Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 16, but
+    got 10 instead.`` (``integer_below_min_value``; ``decimal_...`` for a float)."""
+    side = _BOUNDS.get(error.get("type", ""))
+    value = error.get("input")
+    if side is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    where, extreme, key, comparison = side
+    limit = error.get("ctx", {}).get(key)
+    kind = "integer" if isinstance(limit, int) else "decimal"  # the field's type, not the value's
+    message = (
+        f"Invalid '{param}': {kind} {where} {extreme}imum value. Expected a value "
+        f"{comparison} {_number(limit)}, but got {_number(value)} instead."
+    )
+    return message, param, f"{kind}_{where}_{extreme}_value"
+
+
+def _number(value: Any) -> Any:
+    """2.0 as 2, 2.5 as 2.5 (as the real API prints bounds and values)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 async def _read_json(request: Request) -> Any:

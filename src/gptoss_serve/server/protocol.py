@@ -236,6 +236,10 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
+# The real API's floor on max_output_tokens (below it: integer_below_min_value).
+MIN_OUTPUT_TOKENS = 16
+
+
 class CreateResponseRequest(_Strict):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
@@ -245,7 +249,7 @@ class CreateResponseRequest(_Strict):
     parallel_tool_calls: bool = True
     text: TextConfig = Field(default_factory=TextConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=MIN_OUTPUT_TOKENS)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
