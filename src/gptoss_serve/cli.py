@@ -59,6 +59,7 @@ from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import Message, MessageDone, MessageStarted, RenderRequest
 from gptoss_serve.harmony.parse import HarmonyStreamParser
 from gptoss_serve.harmony.render import render_prompt
+from gptoss_serve.kernels.kv_dtype import cache_dtype
 from gptoss_serve.model import load_model
 from gptoss_serve.model.generate import SamplingParams, generate
 from gptoss_serve.model.transformer import SUPPORTED_DTYPES
@@ -257,9 +258,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) -> EngineConfig:
-    if args.kv_cache_dtype == "fp8" and getattr(args, "dtype", None) == "float32":
-        raise UsageError("--kv-cache-dtype fp8 needs bf16 activations, not --dtype float32")
     try:
+        # An FP8 cache under --dtype float32 is refused here, before minutes of weight loading.
+        activations = SUPPORTED_DTYPES[getattr(args, "dtype", None) or "bfloat16"]
+        cache_dtype(args.kv_cache_dtype, activations)
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs or args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -107,7 +107,7 @@ def _fit_seats(weights: ModelWeights, config: EngineConfig) -> EngineConfig:
         fit = seqs_that_fit_gpu(weights, _with_seats(config, seats),
                                 tokens_per_seq=2 * THROUGHPUT_LENGTH)  # fmt: skip
         lowered = min(requested, max(fit, *DECODE_BATCHES))
-        if lowered == seats or (lowered > seats and fit <= seats):
+        if lowered == seats:
             break
         seats = lowered
     if seats == requested:

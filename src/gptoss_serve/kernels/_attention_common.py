@@ -14,10 +14,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from gptoss_serve.kernels.kv_dtype import FP8_MAX
+
 LOG2E_FLOAT = 1.4426950408889634  # for the host: qk_scale = scale * LOG2E_FLOAT
 # Globals a @triton.jit body reads must be constexpr objects.
 LOG2E = tl.constexpr(LOG2E_FLOAT)
 NO_SCORE = tl.constexpr(-1.0e30)  # a finite "minus infinity": exp2(NO_SCORE - x) == 0
+E4M3_MAX = tl.constexpr(FP8_MAX)  # an FP8 cache's saturation bound
 
 
 @triton.jit
@@ -56,7 +59,7 @@ def to_cache(values, cache_ptr):
     cache_type = cache_ptr.dtype.element_ty
     if cache_type == tl.float8e4nv:
         rounded = values.to(tl.bfloat16).to(tl.float32)
-        return tl.clamp(rounded, -448.0, 448.0).to(cache_type)
+        return tl.clamp(rounded, -E4M3_MAX, E4M3_MAX).to(cache_type)
     return values.to(cache_type)
 
 

@@ -186,17 +186,12 @@ def paged_attention_prefill(  # noqa: PLR0917  (the engine calls it positionally
 
 
 def kv_bytes_read(
-    seq_lens: Sequence[int] | torch.Tensor,
-    window: int | None,
-    num_kv_heads: int,
-    head_dim: int,
-    element_bytes: int = 2,
+    seq_lens: Sequence[int] | torch.Tensor, window: int | None, num_kv_heads: int, head_dim: int
 ) -> int:
-    """Bytes of K and V (bf16 unless said) one decode step must read: min(len, window) keys
-    per sequence."""
+    """Bytes of bf16 K and V one decode step must read: min(len, window) keys per sequence."""
     lengths = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
     num_keys = sum(n if window is None else min(n, window) for n in lengths)
-    return 2 * num_keys * num_kv_heads * head_dim * element_bytes  # K + V
+    return 2 * num_keys * num_kv_heads * head_dim * 2  # (K + V) x 2 bytes
 
 
 def _check_paged(
