@@ -25,6 +25,8 @@ byte stream, not around the MMA:
   ``ORDER_WGMMA`` numbers the same decoded values k = 32q + 16m + 8p + 2t + h, which is
   exactly the wgmma operand's layout: without it Triton moves every decoded weight between
   lanes (32 SHFL, 64 PRMT and 64 SEL per thread and step at 128 rows x 64 columns).
+- In a tile order each step is two dots of 64 columns (words 0-1, then 2-3 of every slot):
+  the same MMAs in the same order, half the decoded registers live at once (``_gemv_step``).
 - Decode of a 32-bit word w (nibbles n0..n7): for the pair (n_a, n_a+4), 16 bits apart, one
   integer multiply places both nibbles' magnitude bits at bf16 bits 6-8 and their sign bits
   at bit 15 (low half) and 22-24 / 31 (high half): ((w & 0x000F000F) * 0x1040) & 0x81C081C0 for
@@ -146,12 +148,13 @@ def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr, ORDER: tl.co
     tile = tl.join(
         tl.join(tl.join(o0, o1), tl.join(o2, o3)), tl.join(tl.join(o4, o5), tl.join(o6, o7))
     )  # [4·BN, 4 q, 2 h, 2 p, 2 m]
-    tile = tl.reshape(tile, [2, BN // 16, 8, 4, 4, 2, 2, 2])  # i1 m16 g4 t q h p m
+    Q: tl.constexpr = words.shape[1]  # words a slot holds (4: the whole step)
+    tile = tl.reshape(tile, [2, BN // 16, 8, 4, Q, 2, 2, 2])  # i1 m16 g4 t q h p m
     if ORDER == _WGMMA:
         tile = tl.permute(tile, (1, 0, 2, 4, 7, 6, 3, 5))  # m16 i1 g4 q m p t h
     else:
         tile = tl.permute(tile, (1, 0, 2, 4, 7, 3, 6, 5))  # m16 i1 g4 q m t p h
-    tile = tl.reshape(tile, [BN, BLOCK_K])
+    tile = tl.reshape(tile, [BN, 32 * Q])
     if PTX and ORDER == _WGMMA:
         # An identity Triton cannot see through: its AccelerateMatmul halves the A operand's
         # bit width when a tl.join is in the operand's backward slice (the decode's), which
@@ -166,24 +169,10 @@ def _weight_tile(words, scale, BN: tl.constexpr, PTX: tl.constexpr, ORDER: tl.co
 
 
 @triton.jit
-def _activation_tile(col_ptrs, col_groups, step, MASK_K: tl.constexpr,
-                     TILE_ORDER: tl.constexpr = 0):  # fmt: skip
+def _activation_tile(col_ptrs, col_groups, step, MASK_K: tl.constexpr):
     """Step ``step`` (128 columns) of thread-ordered activation rows -> [128, NC] bf16 in the
     tile's column order; ``col_ptrs`` [NC] point at each column's first element, and column c
-    has ``col_groups[c]`` valid 32-element groups from there. TILE_ORDER: the rows are stored
-    in the tile's column order already (``tile_order``: TILE_ORDER is ORDER_MMA or
-    ORDER_WGMMA), 128 per step, so the load is plain, and without MASK_K ``col_groups`` only
-    masks whole columns: those with 0 groups (a group's unused MMA columns) are not read."""
-    if TILE_ORDER:
-        k = tl.arange(0, BLOCK_K)[:, None]
-        ptrs = col_ptrs[None, :] + step * BLOCK_K + k
-        if MASK_K:  # tile column k belongs to group lane t: k = ..4t.. or (wgmma) ..2t..
-            lane = (k // 2) % 4 if TILE_ORDER == _WGMMA else (k // 4) % 4
-            return tl.load(ptrs, mask=4 * step + lane < col_groups[None, :], other=0.0)
-        # A mask constant along k keeps the 16-byte loads; at 64 tokens a group of 8 MMA
-        # columns holds ~2.3 pairs, and reading the other columns' rows anyway cost the
-        # grouped columns 5-12% (bench/RESULTS.md v14: L2 throughput was their limit).
-        return tl.load(ptrs, mask=(col_groups > 0)[None, :], other=0.0)
+    has ``col_groups[c]`` valid 32-element groups from there."""
     t = tl.arange(0, 4)[None, :, None]
     ptrs = col_ptrs[:, None, None] + step * BLOCK_K + 32 * t + tl.arange(0, 8)[None, None, :]
     if MASK_K:
@@ -202,6 +191,22 @@ def _activation_tile(col_ptrs, col_groups, step, MASK_K: tl.constexpr,
     xs = tl.reshape(xs, [NC, 4, 2, 2, 2, 2, 2])  # n t p m h q0 q1
     xs = tl.permute(xs, (6, 5, 3, 1, 2, 4, 0))  # q1 q0 m t p h n
     return tl.reshape(xs, [BLOCK_K, NC])
+
+
+@triton.jit
+def _activation_half(col_ptrs, col_groups, step, HALF: tl.constexpr):
+    """Columns 64·HALF .. 64·HALF + 63 of step ``step`` of activation rows stored in the tile's
+    column order (``tile_order``: ORDER_MMA or ORDER_WGMMA) -> [64, NC] bf16, a plain load.
+    ``col_groups`` only masks whole columns: those with 0 groups (a group's unused MMA
+    columns) are not read. The rows are zero past K (whole steps) and the weights there decode
+    to 0, so no mask along k is needed (a masked load is vectorized only as far as its mask is
+    constant: 4 bytes in the wgmma order)."""
+    k = tl.arange(0, BLOCK_K // 2)[:, None] + HALF * (BLOCK_K // 2)
+    # A mask constant along k keeps the 16-byte loads. At 64 tokens a group of 8 MMA columns
+    # holds ~2.3 pairs, and reading the other columns' rows anyway cost the grouped columns
+    # 5-12% (bench/RESULTS.md v14: L2 throughput was their limit).
+    return tl.load(col_ptrs[None, :] + step * BLOCK_K + k, mask=(col_groups > 0)[None, :],
+                   other=0.0)  # fmt: skip
 
 
 @triton.jit
@@ -263,16 +268,24 @@ def _gemv_step(
     else:
         next_mask = 4 * step + 4 + t < row_groups
         next_scale = _load_scale(scale_rows + 4 * step + 4, next_mask, PTX)
-    tile = _weight_tile(words, scale, BN, PTX, TILE_ORDER)
-    # Tile-order rows are zero past K (whole steps): with the weights masked to 0 there, their
-    # loads need no mask along k (a masked activation load is vectorized only as far as its
-    # mask is constant: 4 bytes in wgmma order), only the columns' own (col_groups > 0).
-    activations = _activation_tile(col_ptrs, col_groups, step, MASK_K and not TILE_ORDER,
-                                   TILE_ORDER)  # fmt: skip
-    acc = _dot(tile, activations, acc, INTERPRET)
-    if col_ptrs2 is not None:
-        acc2 = _dot(tile, _activation_tile(col_ptrs2, col_groups2, step, False, TILE_ORDER),
-                    acc2, INTERPRET)  # fmt: skip
+    if TILE_ORDER:
+        # Two dots of 64 columns, each on the tile decoded from words 0-1 (then 2-3) of every
+        # slot, rather than one of 128: the same MMAs in the same order (the same bits), half
+        # the decoded registers live at once, and Triton then waits for the MMAs 5 times in
+        # the grouped-columns kernels instead of 26. H100, one 120b layer (bench/RESULTS.md
+        # v20): MoE at 8192 / 2048 / 1024 tokens 4,560-4,722 / 1,325-1,336 / 1,018-1,032 ->
+        # 4,246 / 1,236 / 983 us (+8-11 / +7 / +4%), 16-512 tokens even to +3.5%. Four dots of
+        # 32 columns lose 3-4x.
+        halves = tl.split(tl.permute(tl.reshape(words, [words.shape[0], 2, 2]), (0, 2, 1)))
+        for half in tl.static_range(2):
+            tile = _weight_tile(halves[half], scale, BN, PTX, TILE_ORDER)
+            acc = _dot(tile, _activation_half(col_ptrs, col_groups, step, half), acc, INTERPRET)
+            if col_ptrs2 is not None:
+                acc2 = _dot(tile, _activation_half(col_ptrs2, col_groups2, step, half), acc2,
+                            INTERPRET)  # fmt: skip
+        return acc, next_scale, acc2
+    tile = _weight_tile(words, scale, BN, PTX)
+    acc = _dot(tile, _activation_tile(col_ptrs, col_groups, step, MASK_K), acc, INTERPRET)
     return acc, next_scale, acc2
 
 
