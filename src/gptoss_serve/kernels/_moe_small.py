@@ -241,10 +241,11 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # its previous group's program (next_group_columns; v10: MoE prefill at 2048 tokens 235 /
     # 215 -> 304 / 275 TFLOP/s, 8192 350 / 328 -> 362 / 348, the whole decode step at batch
     # 1024 83.2 -> 76.2 ms, at 512 51.8 -> 51.6; an always-on extra MMA lost 13% at 8192).
+    # Since v20 (each step two dots of 64 columns) the 385-1024 row takes 4 stages, not 3: H100,
+    # one layer, 400 / 512 / 768 / 1024 tokens 801 / 811-817 / 911-912 / 968-985 -> 768 / 776
+    # / 870 / 960 us (5 stages as 4; 4 stages even at 256, 2048 and 8192 tokens).
     (384, dataclasses.replace(_WGMMA_COLUMNS, group_size=16)),
-    (1024, dataclasses.replace(
-        _WGMMA_COLUMNS, group_size=32, gate_up_stages=3, down_stages=3, next_group_columns=16
-    )),
+    (1024, dataclasses.replace(_WGMMA_COLUMNS, group_size=32, next_group_columns=16)),
     # From 1025 tokens the K-split router takes 64 tokens and 768 columns a program (32 and
     # 192 below): 77 -> 45 us a layer at 8192 tokens, 20.8 -> 19.4 at 2048 (v12,
     # moe_prefill_tiles.py; other sums over K: the logits' last bits, so near-ties may route
