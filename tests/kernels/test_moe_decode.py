@@ -34,6 +34,7 @@ from gptoss_serve.kernels.moe import (
     mxfp4_moe_reference,
 )
 from gptoss_serve.kernels.mxfp4 import dequantize_mxfp4
+from gptoss_serve.kernels.mxfp4_layout import permute_words
 
 
 def check_decode_bit_exact(device: str, ptx_choices: tuple[bool, ...]) -> None:
@@ -56,6 +57,9 @@ def check_decode_bit_exact(device: str, ptx_choices: tuple[bool, ...]) -> None:
         for ptx in ptx_choices:
             actual = decode_debug(b, sc, ptx=ptx)
             assert torch.equal(actual.view(torch.int16), expected), f"ptx={ptx}"
+            # The kernels' layout: the same values from the words' bits permuted.
+            actual = decode_debug(permute_words(b), sc, ptx=ptx, permuted=True)
+            assert torch.equal(actual.view(torch.int16), expected), f"permuted, ptx={ptx}"
 
 
 def check_decode_routing(x: torch.Tensor, weights: MoeWeights, tiles=None) -> None:

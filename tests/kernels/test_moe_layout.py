@@ -11,12 +11,16 @@ import pytest
 import torch
 from moe_cases import INTERPRETING, fresh_seed, random_weights, random_x
 
+from gptoss_serve.kernels import mxfp4_layout
 from gptoss_serve.kernels.moe import MoeWeights, mxfp4_moe_reference
 from gptoss_serve.kernels.mxfp4_layout import (
+    WORD_BITS,
     from_step_rows,
+    permute_words,
     scales_to_step_rows,
     stored_groups,
     to_step_rows,
+    unpermute_words,
 )
 
 needs_triton = pytest.mark.skipif(
@@ -38,12 +42,13 @@ def byte_offset(n: int, g: int, groups: int, rows: int) -> int:
      ((2, 16, 8, 16), 1)],
 )  # fmt: skip
 def test_step_rows_layout(shape: tuple[int, ...], rows: int) -> None:
-    """Round trip, every byte where the layout's formula puts it and zeros in the padding to
-    whole steps (K = 2880: 22 steps and a half; 5 and 3 groups: a one- and a three-group
-    partial step; 8: none)."""
+    """Round trip, every byte where the layout's formula puts it (past rows = 1, in words with
+    their bits permuted) and zeros in the padding to whole steps (K = 2880: 22 steps and a
+    half; 5 and 3 groups: a one- and a three-group partial step; 8: none)."""
     generator = torch.Generator().manual_seed(fresh_seed())
     blocks = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
     laid = to_step_rows(blocks, rows)
+    moved = permute_words(blocks) if rows > 1 else blocks
     lead, n_rows, groups, _ = shape
     stored = stored_groups(groups, rows)
     assert laid.shape == (lead, n_rows, stored, 16)
@@ -53,13 +58,61 @@ def test_step_rows_layout(shape: tuple[int, ...], rows: int) -> None:
     for n in range(n_rows):
         for g in range(groups):
             offset = byte_offset(n, g, groups, rows)
-            assert torch.equal(flat[:, offset : offset + 16], blocks[:, n, g])
+            assert torch.equal(flat[:, offset : offset + 16], moved[:, n, g])
             written[:, offset : offset + 16] = True
     assert not flat[~written].any()  # the padding
     scales = torch.randint(0, 256, shape[:-1], dtype=torch.uint8, generator=generator)
     padded = scales_to_step_rows(scales, rows)
     assert padded.shape == (lead, n_rows, stored)
     assert torch.equal(padded[..., :groups], scales) and not padded[..., groups:].any()
+
+
+def _rotl(word: int, k: int) -> int:
+    return ((word << k) | (word >> (32 - k))) & 0xFFFFFFFF if k else word
+
+
+def _fields(value: int) -> tuple[int, int]:
+    """The two nibbles a decoded bf16x2 word holds: bits 6, 7, 8, 15 and 22, 23, 24, 31."""
+    return tuple(
+        sum(((value >> (bit + half)) & 1) << i for i, bit in enumerate((6, 7, 8, 15)))
+        for half in (0, 16)
+    )  # fmt: skip
+
+
+def test_permuted_words_decode_with_the_kernels_operations() -> None:
+    """The permutation is a bijection of the 32 bits, its inverse undoes it, and on random
+    words the GEMVs' permuted decode (_moe_gemv._DECODE_PERMUTED_PTX: AND; rotate 10, AND;
+    rotate 13, AND; AND, multiply by 0x1084, AND) gives the pairs (element a, element a + 4)
+    of the checkpoint's word."""
+    assert sorted(s for s, _ in WORD_BITS) == sorted(t for _, t in WORD_BITS) == list(range(32))
+    generator = torch.Generator().manual_seed(fresh_seed())
+    blocks = torch.randint(0, 256, (64, 16), dtype=torch.uint8, generator=generator)
+    permuted = permute_words(blocks)
+    assert torch.equal(unpermute_words(permuted), blocks)
+    mask = 0x81C081C0
+    words = blocks.view(torch.int32).flatten().tolist()
+    moved_words = permuted.view(torch.int32).flatten().tolist()
+    for signed, signed_moved in zip(words, moved_words, strict=True):
+        word, moved = signed & 0xFFFFFFFF, signed_moved & 0xFFFFFFFF
+        pairs = [(word >> 4 * a & 15, word >> 4 * (a + 4) & 15) for a in range(4)]
+        decoded = [moved & mask, _rotl(moved, 10) & mask, _rotl(moved, 13) & mask,
+                   ((moved & 0x001B001B) * 0x1084) & mask]  # fmt: skip
+        assert [_fields(value) for value in decoded] == pairs
+
+
+def test_the_kernels_inverse_permutation_matches_the_layout() -> None:
+    """_moe_common._unpermute (the portable decode's and the grouped GEMMs' inverse, written
+    out in Triton) holds exactly mxfp4_layout's inverse (shift, mask) groups."""
+    import inspect  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    pytest.importorskip("triton")
+    from gptoss_serve.kernels import _moe_common  # noqa: PLC0415
+
+    source = inspect.getsource(_moe_common).split("def _unpermute(")[1]
+    terms = re.findall(r"\(w & (0x[0-9A-Fa-f]+)\) (>>|<<) (\d+)", source)
+    written = sorted((int(k) if op == "<<" else -int(k), int(m, 16)) for m, op, k in terms)
+    assert written == sorted(mxfp4_layout._INVERSE)
 
 
 def test_step_rows_refuses_other_groups() -> None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from gptoss_serve.kernels._moe_common import _unpermute
+
 # 4 packed bytes b0..b3 ($4) and their E8M0 scales s0..s3 ($5) -> 4 registers of two bf16.
 # prmt spreads bytes (b0, b1) to the two 16-bit halves; a nibble moved to bf16 bits 15 (sign)
 # and 8-6 (magnitude) reads as code_value · 2^−126 (0.5 is a bf16 subnormal, which mul.bf16x2
@@ -87,8 +89,17 @@ def _load_packed(
         scales_ptr + rows[:, None] * stride_scale_row + groups[None, :], mask=mask, other=0
     )
     offsets = _packed_offsets(rows, groups, K, stride_block_row, LB)
-    byte_ptrs = blocks_ptr + offsets[:, :, None] + tl.arange(0, 16)[None, None, :]
-    return tl.load(byte_ptrs, mask=mask[:, :, None], other=0), scale
+    if LB == 1:
+        byte_ptrs = blocks_ptr + offsets[:, :, None] + tl.arange(0, 16)[None, None, :]
+        return tl.load(byte_ptrs, mask=mask[:, :, None], other=0), scale
+    # The kernels' layout permutes each word's bits (mxfp4_layout.permute_words): restore the
+    # checkpoint's, then the words' bytes (little-endian).
+    word_ptrs = (blocks_ptr + offsets).to(tl.pointer_type(tl.int32))
+    words = tl.load(word_ptrs[:, :, None] + tl.arange(0, 4)[None, None, :],
+                    mask=mask[:, :, None], other=0)  # fmt: skip
+    words = _unpermute(words.to(tl.uint32, bitcast=True))
+    packed = (words[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]) & 0xFF
+    return tl.reshape(packed.to(tl.uint8), [rows.shape[0], BLOCK_K // 32, 16]), scale
 
 
 @triton.jit

@@ -703,15 +703,19 @@ def split_plan(k: int, split: int, unroll: int = 1) -> dict[str, int]:
     return {"SPLIT_GROUPS": split_groups, "STEPS": steps, "FULL_STEPS": full, "UNROLL": unroll}
 
 
-def decode_debug(blocks: torch.Tensor, scales: torch.Tensor, *, ptx: bool = True) -> torch.Tensor:
+def decode_debug(
+    blocks: torch.Tensor, scales: torch.Tensor, *, ptx: bool = True, permuted: bool = False
+) -> torch.Tensor:
     """Debug: the GEMV decode of each row's first group, [N, 16] bytes + [N] scales -> bf16
     [N, 32] in tile order (column 8q + 4m + 2p + h holds element 8q + 2m + p + 4h), times
-    2^-62 like the tile."""
+    2^-62 like the tile. ``permuted``: the bytes' words are in the kernels' bit order
+    (mxfp4_layout.permute_words)."""
     num_rows = blocks.shape[0]
     out = torch.empty(num_rows, 32, dtype=torch.bfloat16, device=blocks.device)
     gemv._decode_debug_kernel[(triton.cdiv(num_rows, 16),)](
-        blocks.contiguous(), scales.contiguous(), out, num_rows, PTX=ptx and not _interpreting()
-    )
+        blocks.contiguous(), scales.contiguous(), out, num_rows, PTX=ptx and not _interpreting(),
+        PERMUTED=permuted,
+    )  # fmt: skip
     return out
 
 
