@@ -100,19 +100,39 @@ def test_permuted_words_decode_with_the_kernels_operations() -> None:
         assert [_fields(value) for value in decoded] == pairs
 
 
-def test_the_kernels_inverse_permutation_matches_the_layout() -> None:
-    """_moe_common._unpermute (the portable decode's and the grouped GEMMs' inverse, written
-    out in Triton) holds exactly mxfp4_layout's inverse (shift, mask) groups."""
+@pytest.mark.parametrize(
+    ("function", "groups"), [("_permute", "_FORWARD"), ("_unpermute", "_INVERSE")]
+)
+def test_the_kernels_word_bits_match_the_layout(function: str, groups: str) -> None:
+    """kernels/_word_bits.py's two directions (the in-place load kernel's, the portable decode's
+    and the grouped GEMMs'), written out in Triton, hold exactly mxfp4_layout's (shift, mask)
+    groups."""
     import inspect  # noqa: PLC0415
     import re  # noqa: PLC0415
 
     pytest.importorskip("triton")
-    from gptoss_serve.kernels import _moe_common  # noqa: PLC0415
+    from gptoss_serve.kernels import _word_bits  # noqa: PLC0415
 
-    source = inspect.getsource(_moe_common).split("def _unpermute(")[1]
+    source = inspect.getsource(_word_bits).split(f"def {function}(")[1].split("@triton.jit")[0]
     terms = re.findall(r"\(w & (0x[0-9A-Fa-f]+)\) (>>|<<) (\d+)", source)
     written = sorted((int(k) if op == "<<" else -int(k), int(m, 16)) for m, op, k in terms)
-    assert written == sorted(mxfp4_layout._INVERSE)
+    assert written == sorted(getattr(mxfp4_layout, groups))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_word_bits_kernel_matches_the_torch_reference() -> None:
+    """The in-place Triton pass of permute_words / unpermute_words on CUDA equals the torch
+    chunks, on random bytes of an odd word count."""
+    generator = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    blocks = torch.randint(0, 256, (3, 1001, 16), dtype=torch.uint8, device="cuda",
+                           generator=generator)  # fmt: skip
+    expected = mxfp4_layout._move_bits_torch(blocks, mxfp4_layout._FORWARD)
+    assert torch.equal(permute_words(blocks), expected)
+    assert torch.equal(unpermute_words(expected), blocks)
+    in_place = blocks.clone()
+    assert permute_words(in_place, in_place=True) is in_place
+    assert torch.equal(in_place, expected)
 
 
 def test_step_rows_refuses_other_groups() -> None:

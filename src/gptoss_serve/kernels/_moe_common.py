@@ -57,16 +57,3 @@ def _prefetch_line(ptrs, mask):
         is_pure=False,
         pack=1,
     )
-
-
-@triton.jit
-def _unpermute(w):
-    """uint32 words in the permuted bit order -> the checkpoint's (the inverse of
-    mxfp4_layout.permute_words, as its (shift, mask) groups: tests/kernels/test_moe_layout.py
-    checks them)."""
-    return (
-        ((w & 0x70000000) >> 24) | ((w & 0x0E000000) >> 17) | ((w & 0x80008000) >> 12)
-        | ((w & 0x01C001C0) >> 6) | ((w & 0x00200020) << 2) | ((w & 0x00107010) << 8)
-        | ((w & 0x00040004) << 9) | ((w & 0x00080008) << 12) | ((w & 0x00030003) << 13)
-        | ((w & 0x00000E00) << 15)
-    )  # fmt: skip

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gptoss_serve.kernels._moe_common import _unpermute
+from gptoss_serve.kernels._word_bits import _unpermute
 
 # 4 packed bytes b0..b3 ($4) and their E8M0 scales s0..s3 ($5) -> 4 registers of two bf16.
 # prmt spreads bytes (b0, b1) to the two 16-bit halves; a nibble moved to bf16 bits 15 (sign)

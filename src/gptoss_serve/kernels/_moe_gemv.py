@@ -52,7 +52,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gptoss_serve.kernels._moe_common import _dot, _prefetch_line, _unpermute
+from gptoss_serve.kernels._moe_common import _dot, _prefetch_line
+from gptoss_serve.kernels._word_bits import _unpermute
 from gptoss_serve.kernels.mxfp4_layout import stored_groups
 
 # Groups a row holds in blocks (and scales) stored in bands of LB rows, as a constexpr.

@@ -74,7 +74,22 @@ _CHUNK_WORDS = 1 << 24  # words converted at once (64 MiB of int32, int64 tempor
 
 def _move_bits(blocks: torch.Tensor, groups, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [..., 16] (contiguous) -> ``out`` (new, or ``blocks`` itself: in place) with every
-    little-endian 32-bit word's bits moved by ``groups``, a chunk at a time."""
+    little-endian 32-bit word's bits moved by ``groups``. On CUDA one in-place Triton pass
+    (kernels/_word_bits.py); elsewhere, and as its reference, torch a chunk at a time."""
+    if blocks.is_cuda:
+        from gptoss_serve.kernels import _word_bits  # noqa: PLC0415 (Triton: GPU only)
+
+        if out is None:
+            out = blocks.clone()
+        elif out is not blocks:
+            out.copy_(blocks)
+        _word_bits.move_words_(out.view(torch.int32), forward=groups is _FORWARD)
+        return out
+    return _move_bits_torch(blocks, groups, out)
+
+
+def _move_bits_torch(blocks: torch.Tensor, groups, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``_move_bits`` in torch, a chunk of words at a time (any device)."""
     out = torch.empty_like(blocks) if out is None else out
     words, out_words = blocks.view(torch.int32).view(-1), out.view(torch.int32).view(-1)
     for start in range(0, words.numel(), _CHUNK_WORDS):
