@@ -119,6 +119,22 @@ def test_the_kernels_word_bits_match_the_layout(function: str, groups: str) -> N
     assert written == sorted(getattr(mxfp4_layout, groups))
 
 
+@needs_triton
+def test_word_bits_kernel_in_the_interpreter() -> None:
+    """The in-place pass (called directly: on CPU tensors permute_words takes torch's path)
+    both ways against the torch reference, and on no words at all."""
+    from gptoss_serve.kernels import _word_bits  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(fresh_seed())
+    blocks = torch.randint(0, 256, (3, 1001, 16), dtype=torch.uint8, generator=generator)
+    moved = blocks.clone()
+    _word_bits.move_words_(moved.view(torch.int32), forward=True)
+    assert torch.equal(moved, mxfp4_layout._move_bits_torch(blocks, forward=True))
+    _word_bits.move_words_(moved.view(torch.int32), forward=False)
+    assert torch.equal(moved, blocks)
+    _word_bits.move_words_(torch.empty(0, dtype=torch.int32), forward=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_word_bits_kernel_matches_the_torch_reference() -> None:
@@ -127,7 +143,7 @@ def test_word_bits_kernel_matches_the_torch_reference() -> None:
     generator = torch.Generator(device="cuda").manual_seed(fresh_seed())
     blocks = torch.randint(0, 256, (3, 1001, 16), dtype=torch.uint8, device="cuda",
                            generator=generator)  # fmt: skip
-    expected = mxfp4_layout._move_bits_torch(blocks, mxfp4_layout._FORWARD)
+    expected = mxfp4_layout._move_bits_torch(blocks, forward=True)
     assert torch.equal(permute_words(blocks), expected)
     assert torch.equal(unpermute_words(expected), blocks)
     in_place = blocks.clone()

@@ -1,7 +1,9 @@
 """Triton side of the kernels' bit order of MXFP4 words (kernels/mxfp4_layout.py: its
 module docstring says why the bits move, and ``permute_words`` is the public op with the torch
 reference): both directions as (shift, mask) groups written out, and an in-place kernel that
-moves every word of a tensor in one pass (loading 120b: no temporaries, ~0.1 s).
+moves every word of a tensor in one pass. At load it replaced torch's chunks of shift-and-mask
+passes, which made the engine take 63.1 s to get ready instead of 43.5 and left freed blocks
+pinning 0.6 GB of allocator segments (bench/RESULTS.md v20 item 7).
 
 tests/kernels/test_moe_layout.py holds the groups written here to mxfp4_layout's."""
 
@@ -53,6 +55,8 @@ def move_words_(words: torch.Tensor, *, forward: bool) -> None:
     """Permute (``forward``) or restore the bits of every word of contiguous int32
     ``words``, in place."""
     num_words = words.numel()
+    if not num_words:
+        return
     _move_words_kernel[(triton.cdiv(num_words, _BLOCK),)](
         words, num_words, FORWARD=forward, BLOCK=_BLOCK
     )

@@ -72,33 +72,40 @@ _INVERSE = _shift_groups((target, source) for source, target in WORD_BITS)
 _CHUNK_WORDS = 1 << 24  # words converted at once (64 MiB of int32, int64 temporaries)
 
 
-def _move_bits(blocks: torch.Tensor, groups, out: torch.Tensor | None = None) -> torch.Tensor:
+def _move_bits(
+    blocks: torch.Tensor, *, forward: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 [..., 16] (contiguous) -> ``out`` (new, or ``blocks`` itself: in place) with every
-    little-endian 32-bit word's bits moved by ``groups``. On CUDA one in-place Triton pass
-    (kernels/_word_bits.py); elsewhere, and as its reference, torch a chunk at a time."""
-    if blocks.is_cuda:
-        from gptoss_serve.kernels import _word_bits  # noqa: PLC0415 (Triton: GPU only)
+    little-endian 32-bit word's bits permuted (``forward``) or restored. On CUDA one in-place
+    Triton pass (kernels/_word_bits.py); elsewhere, and as its reference, torch a chunk at a
+    time."""
+    if not blocks.is_cuda:
+        return _move_bits_torch(blocks, forward=forward, out=out)
+    from gptoss_serve.kernels import _word_bits  # noqa: PLC0415 (Triton: GPU only)
 
-        if out is None:
-            out = blocks.clone()
-        elif out is not blocks:
-            out.copy_(blocks)
-        _word_bits.move_words_(out.view(torch.int32), forward=groups is _FORWARD)
-        return out
-    return _move_bits_torch(blocks, groups, out)
+    if out is None:
+        out = blocks.clone()
+    elif out is not blocks:
+        out.copy_(blocks)
+    _word_bits.move_words_(out.view(torch.int32), forward=forward)
+    return out
 
 
-def _move_bits_torch(blocks: torch.Tensor, groups, out: torch.Tensor | None = None) -> torch.Tensor:
+def _move_bits_torch(
+    blocks: torch.Tensor, *, forward: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``_move_bits`` in torch, a chunk of words at a time (any device)."""
+    groups = _FORWARD if forward else _INVERSE
     out = torch.empty_like(blocks) if out is None else out
     words, out_words = blocks.view(torch.int32).view(-1), out.view(torch.int32).view(-1)
     for start in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[start : start + _CHUNK_WORDS].to(torch.int64)  # no sign bit to mind
+        chunk = words[start : start + _CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF  # unsigned
         moved = torch.zeros_like(chunk)
         for shift, mask in groups:
             part = chunk & mask
             moved |= part << shift if shift >= 0 else part >> -shift
-        out_words[start : start + _CHUNK_WORDS] = (moved - ((moved >> 31) << 32)).to(torch.int32)
+        signed = moved - ((moved >> 31) << 32)  # the uint32 value as int32's two's complement
+        out_words[start : start + _CHUNK_WORDS] = signed.to(torch.int32)
     return out
 
 
@@ -106,13 +113,13 @@ def permute_words(blocks: torch.Tensor, *, in_place: bool = False) -> torch.Tens
     """Blocks [..., 16] uint8 with each 32-bit word's bits in the GEMVs' decode order (a new
     tensor, or ``blocks`` itself, contiguous, with ``in_place``)."""
     if in_place:
-        return _move_bits(blocks, _FORWARD, out=blocks)
-    return _move_bits(blocks.contiguous(), _FORWARD)
+        return _move_bits(blocks, forward=True, out=blocks)
+    return _move_bits(blocks.contiguous(), forward=True)
 
 
 def unpermute_words(blocks: torch.Tensor) -> torch.Tensor:
     """The inverse of ``permute_words``."""
-    return _move_bits(blocks.contiguous(), _INVERSE)
+    return _move_bits(blocks.contiguous(), forward=False)
 
 
 def stored_groups(groups: int, rows: int) -> int:
