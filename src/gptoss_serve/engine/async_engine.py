@@ -46,7 +46,8 @@ class AsyncEngine:
         # Prefix-cache hits of streams read to the end, until the caller asks (event loop).
         self._cached: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._is_stopped = False
-        # Written by the worker after each round, read by the event loop (a reference swap).
+        # Written by the worker after each step (before its tokens go out) and each round, read
+        # by the event loop (a reference swap).
         # _retired: the counters of cores replaced after a failed step, so totals never drop.
         self._retired: _Counters = (0, 0, 0)
         self._stats = self._core.stats()
@@ -144,6 +145,9 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 posts.append(_ending(stream, EngineError(reason)))
+        # The step's stats before its tokens: a client that has its last token then reads
+        # the scheduler after that step (the round's end would come after the loop ran).
+        self._stats = self._totals(self._core.stats())
         post_all(posts)
 
     def _finish(self, stream: _Stream, item: object) -> None:
