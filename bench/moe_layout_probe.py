@@ -70,7 +70,9 @@ def _real_k_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
 def _probe_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
                   SPLIT: tl.constexpr, STEPS: tl.constexpr, NUM_STAGES: tl.constexpr,
                   LB: tl.constexpr, K_BYTES: tl.constexpr):  # fmt: skip
-    """out[rows of this tile] = the T = 1 GEMV of its rows, K split in SPLIT parts of STEPS."""
+    """out[rows of this tile] = the T = 1 GEMV of its rows, K split in SPLIT parts of STEPS
+    (past LB = 1 it decodes the kernels' permuted bit order, as the engine's: random bytes,
+    timed only)."""
     R: tl.constexpr = BN // SPLIT
     G: tl.constexpr = K_BYTES // 16
     n0 = tl.program_id(0) * R
@@ -86,7 +88,7 @@ def _probe_kernel(x_ptr, blocks_ptr, scales_ptr, out_ptr, BN: tl.constexpr,
     acc, _ = _mxfp4_gemv(
         blocks_ptr + offset, scale_rows, row_groups, t, col_ptrs,
         tl.full([8], 4 * STEPS, tl.int32), BN, STEPS, STEPS, 1, NUM_STAGES, True, False,
-        STEP_BYTES=LB * 64,
+        LB=LB,
     )  # fmt: skip
     keep = (tl.arange(0, BN) // R)[:, None] == cols[None, :]  # row s·R + r: column s alone
     y = tl.sum(tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [SPLIT, R]), axis=0)

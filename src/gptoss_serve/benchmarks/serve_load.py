@@ -31,6 +31,7 @@ import httpx
 
 from gptoss_serve.benchmarks.prompts import MAX_MARKER_TOKENS, Prompt, make_prompts
 from gptoss_serve.benchmarks.sse import SseDecoder
+from gptoss_serve.server.protocol import MIN_OUTPUT_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ DELTA_TYPES = frozenset(
     }
 )
 TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed"})
-MIN_OUTPUT_LEN = 16  # the smallest max_output_tokens the Responses API takes
 # `incomplete` is what a max_output_tokens cut gives: the benchmark asks for exactly that.
 OK_STATUSES = frozenset({"completed", "incomplete"})
 REASONING_EFFORTS = ("low", "medium", "high")
@@ -75,9 +75,9 @@ class BenchServeConfig:
         for name in ("num_requests", "concurrency", "input_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.output_len < MIN_OUTPUT_LEN:
+        if self.output_len < MIN_OUTPUT_TOKENS:
             raise ValueError(
-                f"output_len must be >= {MIN_OUTPUT_LEN} (the Responses API's smallest "
+                f"output_len must be >= {MIN_OUTPUT_TOKENS} (the Responses API's smallest "
                 f"max_output_tokens), got {self.output_len}"
             )
         if self.warmup < 0 or self.shared_prefix_len < 0:

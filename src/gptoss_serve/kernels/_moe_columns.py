@@ -281,7 +281,7 @@ def _columns_gate_up_kernel(
         acc, acc2 = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
-            TILE_ORDER, SCALE_WORDS, shifts, STEP_BYTES=LB * 64, PERMUTED=LB > 1,
+            TILE_ORDER, SCALE_WORDS, shifts, LB=LB,
             col_ptrs2=x_thread_ptr + tokens2 * X_STRIDE, col_groups2=tl.where(valid2, G, 0),
         )  # fmt: skip
         if PDL:
@@ -292,7 +292,7 @@ def _columns_gate_up_kernel(
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, x_thread_ptr + tokens * X_STRIDE,
             tl.where(valid, G, 0), BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET,
-            TILE_ORDER, SCALE_WORDS, shifts, STEP_BYTES=LB * 64, PERMUTED=LB > 1,
+            TILE_ORDER, SCALE_WORDS, shifts, LB=LB,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
@@ -363,7 +363,7 @@ def _columns_down_kernel(
         acc, acc2 = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
-            STEP_BYTES=LB * 64, PERMUTED=LB > 1,
+            LB=LB,
             col_ptrs2=h_ptr + tl.where(valid2, pairs2, 0).to(tl.int64) * H_STRIDE,
             col_groups2=tl.where(valid2, G, 0),
         )  # fmt: skip
@@ -374,7 +374,7 @@ def _columns_down_kernel(
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
             BN, STEPS, FULL_STEPS, 1, NUM_STAGES, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS, shifts,
-            STEP_BYTES=LB * 64, PERMUTED=LB > 1,
+            LB=LB,
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()

@@ -243,8 +243,7 @@ def _gate_up_kernel(
     col_ptrs = x_thread_ptr + token * H + col_part * (32 * SPLIT_GROUPS)
     acc, _ = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, _part_groups(col_part, G, SPLIT_GROUPS),
-        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, STEP_BYTES=LB * 64,
-        PERMUTED=LB > 1,
+        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, LB=LB,
     )  # fmt: skip
     if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
         gdc_launch_dependents()
@@ -308,8 +307,7 @@ def _down_kernel(
     col_groups = tl.where(col_slot < TOP_K, _part_groups(col_part, G, SPLIT_GROUPS), 0)
     acc, _ = _mxfp4_gemv(
         block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
-        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, STEP_BYTES=LB * 64,
-        PERMUTED=LB > 1,
+        BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, LB=LB,
     )  # fmt: skip
     if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
         gdc_launch_dependents()

@@ -40,7 +40,7 @@ byte stream, not around the MMA:
 - In the kernels' layout (step rows > 1; the engine's on CUDA) each word's bits come permuted
   at load (mxfp4_layout.permute_words) so that pair 0's fields already sit at those bits, pairs
   1 and 2 sit there rotated by 10 and 13, and pair 3 takes one multiply: 12 instructions per 8
-  weights (``PERMUTED``; the portable decode undoes the permutation first). MoE prefill on the
+  weights (``LB`` > 1; the portable decode undoes the permutation first). MoE prefill on the
   H100 at 2048 / 8192 tokens 321 / 373 -> 351-359 / 385-390 TFLOP/s; decode even (its loop is
   not bound by these instructions).
 """
@@ -119,7 +119,7 @@ def _slot_blocks(expert_blocks, row, first_group, G: tl.constexpr, LB: tl.conste
     """Per slot, in one expert's [N, G, 16] blocks stored in step-major bands of LB rows padded
     to whole steps (kernels/mxfp4_layout.py; LB = 1: the checkpoint's rows): the pointer to
     group ``first_group`` (a multiple of 4 plus the lane t) of ``row``. It advances LB·64 bytes
-    a step (``_mxfp4_gemv``'s STEP_BYTES)."""
+    a step (``_mxfp4_gemv``'s LB)."""
     GS: tl.constexpr = _stored_groups(G, LB)
     band = (row // LB) * (LB * GS * 16)
     return (
@@ -269,18 +269,19 @@ def _gemv_step(
     acc, scale, step, block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
     BN: tl.constexpr, MASK_K: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
-    STEP_BYTES: tl.constexpr = 64, acc2=None, col_ptrs2=None, col_groups2=None,
-    PERMUTED: tl.constexpr = False,
+    LB: tl.constexpr = 1, acc2=None, col_ptrs2=None, col_groups2=None,
 ):  # fmt: skip
-    """One 128-column step; returns (acc, the next step's scales, acc2). STEP_BYTES: distance
-    of a row's consecutive steps in ``block_rows`` (64: the checkpoint's row-major rows; LB·64
-    in bands of LB, ``_slot_blocks``).
+    """One 128-column step; returns (acc, the next step's scales, acc2). LB: the blocks' step
+    rows (kernels/mxfp4_layout.py): a row's consecutive steps are LB·64 bytes apart in
+    ``block_rows`` (``_slot_blocks``; 64 in the checkpoint's rows), and past 1 each word's
+    bits are in the kernels' permuted order.
     SCALE_WORDS: ``scale_rows`` are the scales' aligned 32-bit words and ``scale_shift`` the
     byte's bit offset in them (``_scale_words``), and this step's scale is read here, by a
     plain load the loop's pipeline issues stages ahead. ``col_ptrs2`` (tile order only): a
     second set of columns (``col_groups2`` as ``col_groups``), multiplied by the same decoded
     tile into ``acc2``."""
-    byte_ptrs = block_rows + step * STEP_BYTES
+    PERMUTED: tl.constexpr = LB > 1
+    byte_ptrs = block_rows + step * (LB * 64)
     word_ptrs = byte_ptrs.to(tl.pointer_type(tl.int32))
     word_ptrs = word_ptrs[:, None] + tl.arange(0, 4)[None, :]
     if MASK_K:
@@ -324,8 +325,7 @@ def _mxfp4_gemv(
     BN: tl.constexpr, STEPS: tl.constexpr, FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr,
     TILE_ORDER: tl.constexpr = 0, SCALE_WORDS: tl.constexpr = False, scale_shift=None,
-    STEP_BYTES: tl.constexpr = 64, col_ptrs2=None, col_groups2=None,
-    PERMUTED: tl.constexpr = False,
+    LB: tl.constexpr = 1, col_ptrs2=None, col_groups2=None,
 ):  # fmt: skip
     """(acc [BN, NC] fp32 = 2^-62 · W_rows @ X_cols^T over STEPS steps of 128 columns, acc2):
     with ``col_ptrs2`` [NC2] (tile order), acc2 [BN, NC2] is the same for those columns from
@@ -345,7 +345,7 @@ def _mxfp4_gemv(
     see ``_gemv_step``; the default reads each step's scales one step ahead by ld.global.nc,
     which is right for the bandwidth-bound decode (v4b), while wgmma's compute-bound tiles
     lose ~20% waiting on it behind their cp.async stream (bench/RESULTS.md v7b).
-    STEP_BYTES: see ``_gemv_step``."""
+    LB: see ``_gemv_step``."""
     NC: tl.constexpr = col_ptrs.shape[0]
     acc = tl.zeros([BN, NC], tl.float32)
     if col_ptrs2 is None:
@@ -367,7 +367,7 @@ def _mxfp4_gemv(
             acc, scale, acc2 = _gemv_step(
                 acc, scale, step0 + j, block_rows, scale_rows, row_groups, t, col_ptrs,
                 col_groups, BN, FULL_STEPS < STEPS, PTX, INTERPRET, TILE_ORDER, SCALE_WORDS,
-                scale_shift, STEP_BYTES, acc2, col_ptrs2, col_groups2, PERMUTED,
+                scale_shift, LB, acc2, col_ptrs2, col_groups2,
             )  # fmt: skip
     return acc, acc2
 
