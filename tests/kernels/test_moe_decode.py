@@ -385,7 +385,8 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
     [(600, (32, 128, 8, 3), True, 0), (600, (32, 128, 8, 3), False, 0),
      (2048, (64, 128, 4, 3), True, 0), (2048, (64, 128, 4, 3), False, 0),
      (3000, (128, 128, 8, 2), True, 0), (600, (32, 128, 8, 3), True, 16),
-     (2048, (64, 128, 4, 3), True, 16), (1000, (32, 128, 4, 3), True, 16)],
+     (2048, (64, 128, 4, 3), True, 16), (1000, (32, 128, 4, 3), True, 16),
+     (5000, (128, 128, 8, 3), True, 64), (4000, (128, 128, 8, 3), True, 0)],
 )  # fmt: skip
 def test_gpu_wgmma_columns_match_reference(
     gpu_weights: MoeWeights, num_tokens: int, shape: tuple, scale_words: bool, extra: int
@@ -631,12 +632,14 @@ def test_grouped_columns_kernels_compile_for_sm90() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-@pytest.mark.parametrize(("num_tokens", "extra"), [(256, 0), (512, 0), (2048, 0), (2048, 16)])
+@pytest.mark.parametrize(
+    ("num_tokens", "extra"), [(256, 0), (512, 0), (2048, 0), (2048, 16), (8192, 0), (8192, 64)]
+)
 def test_wgmma_columns_compile_for_sm90(num_tokens: int, extra: int) -> None:
     """The table's wgmma rows: the decoded weights go into wgmma as its register operand with
     no lane shuffle (the wgmma tile order; in mma.sync's order this tile needs 32 shfl per
     thread and step), the activations by cp.async; no local memory; also with an expert's
-    short last group as 16 extra columns (``extra``)."""
+    short last group as extra columns (``extra``: 16, or 64 on the 8-warp groups of 128)."""
     from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
 
     tiles = dataclasses.replace(decode_tiles_for(num_tokens), next_group_columns=extra)

@@ -236,7 +236,8 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # 929 / 846 / 870 / ~970); 512 / 768 / 1024 tokens, groups of 32: 840 / 940 / 1,157 (the
     # mma.sync row before, groups of 32 on 64-row tiles of 2 warps: 1,273 at 512, 1,464 at
     # 1024); 2048 / 8192 tokens, groups of 64: 1,703 / 4,946 (the grouped GEMMs 2,751 /
-    # 7,896). Groups of 128 or 8-warp tiles lose at every size measured.
+    # 7,896). Groups of 128 or 8-warp tiles lost at every size measured then (v7; past 3584
+    # tokens, both together now win: below).
     # From 385 tokens an expert's last group of up to 16 pairs rides as extra MMA columns on
     # its previous group's program (next_group_columns; v10: MoE prefill at 2048 tokens 235 /
     # 215 -> 304 / 275 TFLOP/s, 8192 350 / 328 -> 362 / 348, the whole decode step at batch
@@ -250,9 +251,22 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # 192 below): 77 -> 45 us a layer at 8192 tokens, 20.8 -> 19.4 at 2048 (v12,
     # moe_prefill_tiles.py; other sums over K: the logits' last bits, so near-ties may route
     # otherwise).
-    (DECODE_MAX_TOKENS, dataclasses.replace(
+    (3584, dataclasses.replace(
         _WGMMA_COLUMNS, group_size=64, gate_up_stages=3, down_stages=3, next_group_columns=16,
         router_block_t=64, router_split_k=768,
+    )),
+    # Past 3584 tokens groups of 128 on 128-row tiles of 8 warps (two warpgroups of 64 rows on
+    # the same activation tile: half the decode per MMA column), an expert's last group of up
+    # to 64 pairs as extra columns. Time goes with the MMA columns run, padding included (the
+    # same layer with every expert given exactly T·k/E pairs is 12-16% faster at 2048 / 8192
+    # tokens): 128-column groups pad more, so they pay only where experts hold several groups.
+    # H100, one layer, us, the table before / this row (bench/RESULTS.md v21; the same bits):
+    # 3072 tokens 1,641-1,765 / 1,778-1,784; 4096 2,225-2,258 / 2,128-2,163; 6144 3,218-3,303
+    # / 3,017-3,027; 8192 4,212-4,414 / 3,817-4,015. With 32 extra columns 3,967 at 8192, none
+    # 4,152; on 2 stages 5,830 (one program an SM by registers either way).
+    (DECODE_MAX_TOKENS, dataclasses.replace(
+        _WGMMA_COLUMNS, group_size=128, gate_up_warps=8, down_warps=8, gate_up_stages=3,
+        down_stages=3, next_group_columns=64, router_block_t=64, router_split_k=768,
     )),
 )  # fmt: skip
 
