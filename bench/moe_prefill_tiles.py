@@ -1,7 +1,7 @@
 """The prefill MoE (grouped columns on wgmma) under other tiles of its table row, per kernel.
 
     python bench/moe_prefill_tiles.py --tokens 2048 --variants 'gate_up_stages=4' ...
-                                      [--out bench/results/moe_prefill_tiles.json]
+                                      [--rounds 3] [--out bench/results/moe_prefill_tiles.json]
 
 A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing
 the fields of the table row that serves ``--tokens`` (as bench/step_tiles.py takes them). One
@@ -9,12 +9,16 @@ the fields of the table row that serves ``--tokens`` (as bench/step_tiles.py tak
 between two runs of the table's row), the gate_up and down kernels' own us (torch.profiler),
 and the output's largest difference from the table's relative to its largest value (the same
 pairs' sums in another tile shape: equal to the bit, or bf16 rounding where the shapes differ).
+``--rounds R`` passes over the variants R times (the H100's clocks move these figures by 5-10%
+between runs); past one round a summary line per variant gives the medians over the rounds of
+its us and of the table's runs after it, and how much faster the variant is.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import os
 import statistics
@@ -62,6 +66,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="*", default=[2048])
     parser.add_argument("--variants", nargs="*", default=[])
     parser.add_argument("--repeats", type=int, default=10, help="timed replays of 4 calls")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes over the variants (each against the table again): the "
+                             "summary compares medians over the rounds")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results/moe_prefill_tiles.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -75,7 +82,8 @@ def main() -> int:
         flops = mxfp4_moe_flops(tokens, weights)
         base = measure(xs, weights, table)
         scale = base["out"].float().abs().max().item()
-        for text in ["", *args.variants]:
+        first = len(rows)
+        for round_, text in itertools.product(range(args.rounds), ["", *args.variants]):
             try:
                 tiles = dataclasses.replace(table, **parse_variant(text)) if text else table
             except ValueError as error:  # a tile the table would refuse: report it, go on
@@ -85,7 +93,8 @@ def main() -> int:
             result = measure(xs, weights, tiles, args.repeats)
             again = measure(xs, weights, table, args.repeats)
             diff = (result["out"].float() - base["out"].float()).abs().max().item() / scale
-            row = {"tokens": tokens, "variant": text or "table", "us": round(result["us"], 1),
+            row = {"tokens": tokens, "round": round_, "variant": text or "table",
+                   "us": round(result["us"], 1),
                    "table_us": round(again["us"], 1),
                    "tflops": round(flops / (result["us"] * 1e-6) / 1e12, 1),
                    "gate_up_us": result["gate_up_us"], "down_us": result["down_us"],
@@ -96,8 +105,21 @@ def main() -> int:
                         row["table_us"], row["tflops"], row["gate_up_us"], row["down_us"],
                         row["router_us"], row["grouping_us"], diff)  # fmt: skip
             rows.append(row)
+        if args.rounds > 1:
+            _log_medians(tokens, rows[first:])
     write_results(args.out, rows=rows)
     return 0
+
+
+def _log_medians(tokens: int, rows: list[dict]) -> None:
+    """Per variant, the medians over the rounds of its us and of the table's runs after it."""
+    for variant in dict.fromkeys(row["variant"] for row in rows if "us" in row):
+        mine = [row for row in rows if row["variant"] == variant and "us" in row]
+        us = statistics.median(row["us"] for row in mine)
+        table_us = statistics.median(row["table_us"] for row in mine)
+        logger.info("T %d median of %d rounds: %-44s %8.1f us (table %8.1f: %+.1f%% faster)",
+                    tokens, len(mine), variant, us, table_us,
+                    100 * (table_us / us - 1))  # fmt: skip
 
 
 if __name__ == "__main__":
