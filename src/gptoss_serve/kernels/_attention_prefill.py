@@ -41,15 +41,18 @@ class PrefillTiles:
     num_stages: int
 
 
-# H200, head_dim 64: 128 x 64 tiles as in Triton's fused-attention tutorial for Hopper. sm_90
-# AOT build: wgmma, cp.async double-buffered K/V, 128 registers with 8 warps (4 warps need
-# 242-255 registers: one program per SM half, close to spilling).
-GPU_TILES = PrefillTiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
+# Full layers, head_dim 64: 64 rows (8 tokens x 8 heads) x 64 keys on 4 warps (one warpgroup),
+# 2 stages. It was 128 x 64 on 8 warps, 3 stages (Triton's fused-attention tutorial tiles for
+# Hopper); alternating A/B on an H100 (bench/RESULTS.md v21), one 120b layer, a 1024 / 2048
+# / 8192-token prompt: 47.6-48.3 / 135.0-137.0 / 1,565-1,603 -> 45.1-45.8 / 122.5-125.0 /
+# 1,435-1,482 us, the same bits (each row's keys in the same order). The H200 sweep's own
+# figures (results/attention_prefill_sweep.json) had it ahead too: 120.9 / 1,504.5 against
+# 129.9 / 1,574.6 us at 2048 / 8192 tokens.
+GPU_TILES = PrefillTiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
 # Sliding layers: a query block needs only its BLOCK_Q + window - 1 keys, all in masked tiles,
 # so a program is a few tiles long and small ones win: 8 tokens x 8 heads against 32 keys,
 # 4 warps, 2 stages. H200, one 120b layer (bench/attention_prefill_sweep.py): a 2048 / 8192-
-# token prompt 62.2 / 236.1 -> 35.5 / 120.3 us; 128 x 64 on 8 warps stays the best for full
-# layers (131 / 1,571 us; every other of 22 shapes measured lost there).
+# token prompt 62.2 / 236.1 -> 35.5 / 120.3 us (the full layers' tiles of then: 131 / 1,571).
 SLIDING_GPU_TILES = PrefillTiles(block_m=64, block_n=32, num_warps=4, num_stages=2)
 # Interpreter: small tiles so short test sequences cross several query and key tiles.
 CPU_TILES = PrefillTiles(block_m=32, block_n=16, num_warps=1, num_stages=1)
