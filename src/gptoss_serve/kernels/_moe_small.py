@@ -186,6 +186,14 @@ _WGMMA_COLUMNS = dataclasses.replace(
     wgmma_order=True, scale_words=True,
 )  # fmt: skip
 
+# ... and past 1024 tokens, 3 stages, and the K-split router takes 64 tokens and 768 columns a
+# program (32 and 192 below): 77 -> 45 us a layer at 8192 tokens, 20.8 -> 19.4 at 2048 (v12,
+# moe_prefill_tiles.py; other sums over K: the logits' last bits, so near-ties may route
+# otherwise).
+_PREFILL_COLUMNS = dataclasses.replace(
+    _WGMMA_COLUMNS, gate_up_stages=3, down_stages=3, router_block_t=64, router_split_k=768
+)
+
 # By token count (first entry with T ≤ its bound), from bench/moe_profile.py on the H200 (v2,
 # d6597e1: its "best tiles" at T = 1, 4, 16). At T = 1 the K split gives the SMs enough warps
 # (gate_up 1440, down 1440 at 120b shapes, all resident at once); more tokens bring their own.
@@ -247,14 +255,8 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # / 870 / 960 us (5 stages as 4; 4 stages even at 256, 2048 and 8192 tokens).
     (384, dataclasses.replace(_WGMMA_COLUMNS, group_size=16)),
     (1024, dataclasses.replace(_WGMMA_COLUMNS, group_size=32, next_group_columns=16)),
-    # From 1025 tokens the K-split router takes 64 tokens and 768 columns a program (32 and
-    # 192 below): 77 -> 45 us a layer at 8192 tokens, 20.8 -> 19.4 at 2048 (v12,
-    # moe_prefill_tiles.py; other sums over K: the logits' last bits, so near-ties may route
-    # otherwise).
-    (3584, dataclasses.replace(
-        _WGMMA_COLUMNS, group_size=64, gate_up_stages=3, down_stages=3, next_group_columns=16,
-        router_block_t=64, router_split_k=768,
-    )),
+    # From 1025 tokens the prefill tiles (_PREFILL_COLUMNS: 3 stages, the wider K-split router).
+    (3584, dataclasses.replace(_PREFILL_COLUMNS, group_size=64, next_group_columns=16)),
     # Past 3584 tokens groups of 128 on 128-row tiles of 8 warps (two warpgroups of 64 rows on
     # the same activation tile: half the decode per MMA column), an expert's last group of up
     # to 64 pairs as extra columns. Time goes with the MMA columns run, padding included (the
@@ -265,8 +267,7 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # / 3,017-3,027; 8192 4,212-4,414 / 3,817-4,015. With 32 extra columns 3,967 at 8192, none
     # 4,152; on 2 stages 5,830 (one program an SM by registers either way).
     (DECODE_MAX_TOKENS, dataclasses.replace(
-        _WGMMA_COLUMNS, group_size=128, gate_up_warps=8, down_warps=8, gate_up_stages=3,
-        down_stages=3, next_group_columns=64, router_block_t=64, router_split_k=768,
+        _PREFILL_COLUMNS, group_size=128, gate_up_warps=8, down_warps=8, next_group_columns=64
     )),
 )  # fmt: skip
 
