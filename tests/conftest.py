@@ -10,6 +10,7 @@ import torch
 
 from gptoss_serve.checkpoint.demo import demo_checkpoint_dir
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
+from gptoss_serve.engine.allocator import ALLOC_CONF_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -20,6 +21,19 @@ _VOCAB = REPO.parent / "shared" / "vocab"
 if "TIKTOKEN_ENCODINGS_BASE" not in os.environ and (_VOCAB / "o200k_base.tiktoken").exists():
     os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(_VOCAB)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _keep_allocator_env():
+    """``cli.main`` sets torch's allocator variable (engine/allocator.py) for its process; a
+    test that calls it must not leave it set for the tests after it."""
+    saved = {name: os.environ.get(name) for name in ALLOC_CONF_VARS}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -46,6 +46,7 @@ from gptoss_serve.config import (
     ServerConfig,
 )
 from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
+from gptoss_serve.engine.allocator import configure_allocator
 from gptoss_serve.engine.constrained import GrammarConstraint
 from gptoss_serve.engine.cpu_engine import CpuEngine
 from gptoss_serve.engine.startup import build_async_engine
@@ -530,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_allocator()  # before anything starts CUDA (engine/allocator.py)
     try:
         return COMMANDS[args.command](args)
     except (UsageError, ConfigError, CheckpointError) as error:
