@@ -88,7 +88,8 @@ def test_gpu_the_setting_takes_effect_after_torch_is_imported() -> None:
     must still start with expandable segments and hand the hole back."""
     setting, reserved = _reserved_mib_after_hole({})
     assert setting == ENGINE_ALLOC_CONF
-    assert reserved <= 130, f"{reserved} MiB reserved: expandable segments not in force"
+    # 128 MiB in 2 MiB pages plus the allocator's own mapping granularity (140 on an H100)
+    assert reserved < 200, f"{reserved} MiB reserved: expandable segments not in force"
     # The control: fixed segments keep the hole (the test can tell the two apart).
     setting, reserved = _reserved_mib_after_hole(
         {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
