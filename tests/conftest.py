@@ -10,7 +10,7 @@ import torch
 
 from gptoss_serve.checkpoint.demo import demo_checkpoint_dir
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
-from gptoss_serve.engine.allocator import ALLOC_CONF_VARS
+from gptoss_serve.engine.allocator import ALLOC_CONF_VARS, configure_allocator
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -21,12 +21,16 @@ _VOCAB = REPO.parent / "shared" / "vocab"
 if "TIKTOKEN_ENCODINGS_BASE" not in os.environ and (_VOCAB / "o200k_base.tiktoken").exists():
     os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(_VOCAB)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The allocator as the served engine's process has it (cli.main does the same): CUDA has not
+# started yet while pytest imports this file.
+configure_allocator()
 
 
 @pytest.fixture(autouse=True)
 def _keep_allocator_env():
-    """``cli.main`` sets torch's allocator variable (engine/allocator.py) for its process; a
-    test that calls it must not leave it set for the tests after it."""
+    """Torch's allocator variables as they were before each test: ``cli.main`` sets them
+    (engine/allocator.py), and a test that calls it or clears them must not leave the tests
+    after it another setting."""
     saved = {name: os.environ.get(name) for name in ALLOC_CONF_VARS}
     yield
     for name, value in saved.items():
