@@ -10,7 +10,7 @@ import torch
 
 from gptoss_serve.checkpoint.demo import demo_checkpoint_dir
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
-from gptoss_serve.engine.allocator import ALLOC_CONF_VARS, configure_allocator
+from gptoss_serve.engine.allocator import configure_allocator
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -24,20 +24,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The allocator as the served engine's process has it (cli.main does the same): CUDA has not
 # started yet while pytest imports this file.
 configure_allocator()
-
-
-@pytest.fixture(autouse=True)
-def _keep_allocator_env():
-    """Torch's allocator variables as they were before each test: ``cli.main`` sets them
-    (engine/allocator.py), and a test that calls it or clears them must not leave the tests
-    after it another setting."""
-    saved = {name: os.environ.get(name) for name in ALLOC_CONF_VARS}
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
