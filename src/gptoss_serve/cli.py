@@ -46,6 +46,7 @@ from gptoss_serve.config import (
     ServerConfig,
 )
 from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
+from gptoss_serve.engine import seats
 from gptoss_serve.engine.allocator import configure_allocator
 from gptoss_serve.engine.constrained import GrammarConstraint
 from gptoss_serve.engine.cpu_engine import CpuEngine
@@ -114,6 +115,17 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _seats(text: str) -> int | None:
+    """``--max-num-seqs``: a count, or "auto" (None): as many as the GPU holds (engine/seats)."""
+    if text == "auto":
+        return None
+    try:
+        return _positive_int(text)
+    except ValueError:
+        message = f"must be a positive integer or auto, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def _non_negative_int(text: str) -> int:
@@ -221,9 +233,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-num-seqs",
-        type=_positive_int,
-        default=defaults.max_num_seqs,
-        help="requests running at once (the largest decode batch)",
+        type=_seats,
+        default=None,
+        metavar="N|auto",
+        help=f"requests running at once (the largest decode batch); auto (the default): as many "
+        f"as the KV cache holds at {seats.SEAT_TOKENS} tokens each, {seats.MIN_SEATS} to "
+        f"{seats.MAX_SEATS}",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -259,12 +274,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) -> EngineConfig:
+    """The GPU engine's settings from the flags; ``max_num_seqs`` overrides the flag's count.
+    Seats left to "auto" are settled on the device when the engine is built (engine/seats.py)."""
+    auto = max_num_seqs is None and args.max_num_seqs is None
     try:
         # An FP8 cache under --dtype float32 is refused here, before minutes of weight loading.
         activations = SUPPORTED_DTYPES[getattr(args, "dtype", None) or "bfloat16"]
         cache_dtype(args.kv_cache_dtype, activations)
         scheduler = SchedulerConfig(
-            max_num_seqs=max_num_seqs or args.max_num_seqs,
+            max_num_seqs=seats.MAX_SEATS if auto else max_num_seqs or args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len or SchedulerConfig().max_model_len,
             enable_prefix_caching=not args.no_prefix_caching,
@@ -278,6 +296,7 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) 
             async_scheduling=not args.no_async_scheduling,
             reference_ops=getattr(args, "dtype", None) == "float32",
             kv_cache_dtype=args.kv_cache_dtype,
+            fit_max_num_seqs=auto,
         )
     except ValueError as error:
         raise UsageError(str(error)) from error
@@ -450,7 +469,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # The capped process first, while this one holds no GPU memory yet.
     fit = None if args.skip_fit_check else fit_check_subprocess(args.model, args.kv_cache_dtype)
     weights, name = _load_weights(args.model, dtype=torch.bfloat16)
-    config = engine_config(args, max_num_seqs=max(args.max_num_seqs, args.throughput_seqs))
+    config = engine_config(args, max_num_seqs=max(args.max_num_seqs or 1, args.throughput_seqs))
     commit = os.environ.get("BENCH_COMMIT") or report.git_commit()
     results = run_engine_bench(weights, name, config, decode_tokens=args.decode_tokens,
                                throughput_seqs=args.throughput_seqs, commit=commit)  # fmt: skip

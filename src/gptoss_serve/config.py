@@ -394,6 +394,9 @@ class EngineConfig:
     # "auto": K and V in the activations' dtype; "fp8": E4M3, twice the tokens in the same
     # bytes, at the cost of precision (kernels/kv_dtype.py).
     kv_cache_dtype: str = "auto"
+    # Lower scheduler.max_num_seqs to the sequences of 2k tokens the KV cache holds on this
+    # GPU, never below 64 (engine/seats.py; `--max-num-seqs auto`).
+    fit_max_num_seqs: bool = False
 
     def __post_init__(self) -> None:
         utilization = self.gpu_memory_utilization

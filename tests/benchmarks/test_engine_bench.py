@@ -35,32 +35,3 @@ def test_ceilings_follow_the_card() -> None:
     ]
     assert 1 < gains[0] < gains[1]
     assert eb.prefill_ceiling_tok_s(config, h100) > eb.prefill_ceiling_tok_s(config, h200)
-
-
-def test_the_bench_lowers_its_seats_to_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a card whose KV budget holds fewer max-throughput sequences than the requested seats
-    (an 80 GB H100: 28 of 2k tokens), the bench's engine gets that many seats, but never fewer
-    than its largest decode batch; where they fit, the config stays."""
-    import torch  # noqa: PLC0415
-
-    from gptoss_serve.benchmarks import engine_run  # noqa: PLC0415
-    from gptoss_serve.config import EngineConfig, SchedulerConfig  # noqa: PLC0415
-
-    class Weights:
-        device = torch.device("cuda")  # only its type is read
-
-    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1024))
-    for fit, seats in ((28, 64), (300, 300), (5000, 1024)):
-        monkeypatch.setattr(engine_run, "seqs_that_fit_gpu", lambda *a, fit=fit, **k: fit)
-        assert engine_run._fit_seats(Weights(), config).scheduler.max_num_seqs == seats
-    given = EngineConfig(kv_cache_tokens=4096)  # an explicit cache: nothing to measure
-    assert engine_run._fit_seats(Weights(), given) is given
-
-    # The step's reserve shrinks with the seats, so fewer seats leave room for more sequences
-    # (an FP8 cache on an H100: 63 fit beside 1024 seats, 104 beside 64): measured again.
-    def fit_at(weights, config, **kwargs) -> int:
-        seats = config.scheduler.max_num_seqs
-        return 63 if seats > 500 else 104 - seats // 50
-
-    monkeypatch.setattr(engine_run, "seqs_that_fit_gpu", fit_at)
-    assert engine_run._fit_seats(Weights(), config).scheduler.max_num_seqs == 102

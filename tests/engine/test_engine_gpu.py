@@ -16,6 +16,7 @@ from engine_runs import run_greedy
 
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
 from gptoss_serve.config import EngineConfig, SamplingParams, SchedulerConfig
+from gptoss_serve.engine import seats
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.weights import load_weights
 from gptoss_serve.model import load_model
@@ -163,3 +164,38 @@ def test_grammars_hold_on_the_gpu_path(demo_dir: Path) -> None:
             num_finished += 1
             assert 0 <= json.loads(finals[-1])["n"] <= 9
     assert num_finished >= 2
+
+
+def test_auto_seats_fill_what_the_cap_leaves_and_run_past_64(unambiguous_dir: Path) -> None:
+    """`--max-num-seqs auto` on the GPU: the seats are the 2k-token sequences that a cap of
+    3 GB beyond what this process holds (1 GiB of it the engine's reserve) leaves room for
+    (between 64 and 1024 for this model), the KV cache holds them, and that many requests do
+    run in one decode batch (4-token prompts: one step's budget admits them all)."""
+    weights = load_weights(unambiguous_dir, device="cuda", dtype=torch.bfloat16, progress=False)
+    torch.cuda.empty_cache()
+    cap_gb = torch.cuda.memory_reserved() / 1e9 + 3.0
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=seats.MAX_SEATS, max_num_batched_tokens=2048,
+                                  max_model_len=2048),
+        max_gpu_memory_gb=cap_gb, fit_max_num_seqs=True,
+    )  # fmt: skip
+    make_core, runner, plan = build_engine(weights, config)
+    count = runner.batch.max_num_seqs
+    assert seats.MIN_SEATS < count < seats.MAX_SEATS
+    assert plan.max_num_tokens >= count * seats.SEAT_TOKENS
+    assert runner.graphs is not None and runner.graphs.batch_sizes[-1] == count
+    core = make_core()
+    generator = torch.Generator().manual_seed(3)
+    prompts = {f"s{i}": torch.randint(0, 4096, (4,), generator=generator).tolist()
+               for i in range(count + 8)}  # fmt: skip
+    for request_id, prompt in prompts.items():
+        core.add_request(request_id, prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    most_running, produced = 0, dict.fromkeys(prompts, 0)
+    while core.has_unfinished_requests:
+        result = core.step()
+        assert not result.failed
+        most_running = max(most_running, len(core.scheduler.running))
+        for output in result.outputs:
+            produced[output.request_id] += len(output.new_token_ids)
+    assert most_running == count
+    assert set(produced.values()) == {8}

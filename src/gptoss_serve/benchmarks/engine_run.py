@@ -18,7 +18,7 @@ import torch
 
 from gptoss_serve.benchmarks import engine_bench as eb
 from gptoss_serve.config import EngineConfig, SamplingParams
-from gptoss_serve.engine.startup import build_engine, seqs_that_fit_gpu
+from gptoss_serve.engine.startup import build_engine, settled_config
 from gptoss_serve.engine.weights import ModelWeights
 from gptoss_serve.kernels.kv_dtype import cache_dtype
 
@@ -29,7 +29,6 @@ FIT_CONTEXT = 128 * 1024  # tokens of context the capped process must serve
 FIT_OUTPUT_TOKENS = 16
 DECODE_BATCHES = (8, 32, 64)  # the concurrent decode figures
 THROUGHPUT_LENGTH = 1024  # prompt and output tokens of each max-throughput sequence
-FIT_ROUNDS = 4  # measurements of the seats that fit (_fit_seats)
 
 
 def run_engine_bench(
@@ -38,7 +37,9 @@ def run_engine_bench(
 ) -> dict:  # fmt: skip
     model = weights.config
     started = time.perf_counter()
-    config = _fit_seats(weights, config)
+    # The seats settled as `serve --max-num-seqs auto` settles them (engine/seats.py): as many
+    # as hold 2k tokens each, up to the request, never below the largest decode batch here.
+    config = settled_config(weights, replace(config, fit_max_num_seqs=True))
     make_core, _, plan = build_engine(weights, config)
     logger.warning("engine ready in %.1fs: %d KV tokens", time.perf_counter() - started,
                    plan.max_num_tokens)  # fmt: skip
@@ -90,42 +91,12 @@ def run_engine_bench(
     }  # fmt: skip
 
 
-def _fit_seats(weights: ModelWeights, config: EngineConfig) -> EngineConfig:
-    """``config`` with max_num_seqs lowered to the max-throughput sequences (2k tokens each)
-    that fit this GPU, where the requested ones do not (on an 80 GB card the default 1024
-    would leave the sliding windows' reserve no room for full-attention blocks), but never
-    below the largest decode batch measured.
-
-    The memory a step needs is measured at the seat count it is asked for (its logits buffer
-    grows with the seats: 1.6 GB at 1024 seats of 120b), so the count that fits at 1024 seats
-    errs low; it is measured again at the lower count until more no longer fit (an FP8 cache
-    on an H100: 63 at 1024 seats, 100+ at 64)."""
-    if weights.device.type != "cuda" or config.kv_cache_tokens is not None:
-        return config
-    requested = seats = config.scheduler.max_num_seqs
-    for _ in range(FIT_ROUNDS):
-        fit = seqs_that_fit_gpu(weights, _with_seats(config, seats),
-                                tokens_per_seq=2 * THROUGHPUT_LENGTH)  # fmt: skip
-        lowered = min(requested, max(fit, *DECODE_BATCHES))
-        if lowered == seats:
-            break
-        seats = lowered
-    if seats == requested:
-        return config
-    logger.warning("max_num_seqs %d -> %d: %d sequences of %d tokens fit the KV cache",
-                   requested, seats, fit, 2 * THROUGHPUT_LENGTH)  # fmt: skip
-    return _with_seats(config, seats)
-
-
-def _with_seats(config: EngineConfig, seats: int) -> EngineConfig:
-    return replace(config, scheduler=replace(config.scheduler, max_num_seqs=seats))
-
-
 def run_fit_check(weights: ModelWeights, config: EngineConfig) -> int:
     """In the capped process (``cap_process_memory`` already called): serve one request of
     FIT_CONTEXT tokens of context; prints one JSON line for the parent."""
     scheduler = replace(config.scheduler, max_num_seqs=4, max_model_len=FIT_CONTEXT)
-    config = replace(config, scheduler=scheduler, max_gpu_memory_gb=FIT_CAP_GB)
+    config = replace(config, scheduler=scheduler, max_gpu_memory_gb=FIT_CAP_GB,
+                     fit_max_num_seqs=False)  # fmt: skip
     make_core, _, plan = build_engine(weights, config)
     core = make_core()
     prompt_len = FIT_CONTEXT - FIT_OUTPUT_TOKENS

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from gptoss_serve.config import EngineConfig, SchedulerConfig
+from gptoss_serve.engine import seats
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
 from gptoss_serve.engine.client import EngineInfo
@@ -51,7 +52,10 @@ def build_engine(
     weights: ModelWeights, config: EngineConfig
 ) -> tuple[Callable[[], EngineCore], ModelRunner, KvCachePlan]:
     """Returns a factory of engine cores (a fresh scheduler over the same runner and cache:
-    what a failed step restarts with), the runner, and the KV cache plan."""
+    what a failed step restarts with), the runner, and the KV cache plan. With
+    ``config.fit_max_num_seqs`` the seats are first settled on what this GPU holds
+    (``settled_config``); ``runner.batch.max_num_seqs`` gives the count."""
+    config = settled_config(weights, config)
     model = weights.config
     scheduler_config, ops, spec = _engine_parts(weights, config)
     kv_dtype = cache_dtype(config.kv_cache_dtype, weights.dtype)
@@ -83,6 +87,16 @@ def build_engine(
         )
 
     return make_core, runner, plan
+
+
+def settled_config(weights: ModelWeights, config: EngineConfig) -> EngineConfig:
+    """``config`` with its seat count settled (engine/seats.py): measured on the GPU, or the
+    fixed MIN_SEATS where the cache is not sized from the device."""
+    if weights.device.type != "cuda" or config.kv_cache_tokens is not None:
+        return seats.unmeasured_seats(config)
+    return seats.fit_seats(
+        config, lambda tried: seqs_that_fit_gpu(weights, tried, tokens_per_seq=seats.SEAT_TOKENS)
+    )
 
 
 def build_async_engine(weights: ModelWeights, model_name: str, config: EngineConfig) -> AsyncEngine:
