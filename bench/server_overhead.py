@@ -35,7 +35,7 @@ from gptoss_serve.config import SamplingParams, ServerConfig
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.client import EngineInfo
 from gptoss_serve.engine.engine import StepResult
-from gptoss_serve.engine.scheduler_output import RequestOutput
+from gptoss_serve.engine.scheduler_output import RequestOutput, SchedulerStats
 from gptoss_serve.harmony import adapter
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.store import ResponseStore
@@ -107,6 +107,12 @@ class PacedCore:
                 del self._running[request_id]
             outputs.append(RequestOutput(request_id, (token,), finish, 0))
         return StepResult(outputs)
+
+    def stats(self) -> SchedulerStats:
+        """What AsyncEngine reads for /metrics: the running requests, nothing else modelled."""
+        return SchedulerStats(num_running=len(self._running), num_waiting=0, kv_usage=0.0,
+                              sliding_kv_usage=0.0, num_preemptions=0,
+                              num_prefix_queried_tokens=0, num_prefix_hit_tokens=0)  # fmt: skip
 
     def close(self) -> None:
         self._running.clear()

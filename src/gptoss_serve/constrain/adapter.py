@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 
 import llguidance
 import llguidance.numpy
@@ -100,6 +101,40 @@ def new_matcher(grammar: str) -> Matcher:
 def _template(grammar: str) -> llguidance.LLMatcher:
     with _lock:
         return _compiled(grammar)
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    """The library's own thread pool for batches of matchers (80% of the CPUs, at most 32)."""
+    return llguidance.LLExecutor()
+
+
+def consume_tokens(pairs: Sequence[tuple[Matcher, int]]) -> list[str | None]:
+    """Advance each matcher by its token, the whole batch in one call spread over the
+    library's threads: per pair None, or why the grammar refused the token (that matcher is
+    then in its error state)."""
+    accepted = llguidance.numpy.consume_token_par(
+        _executor(), [(matcher._matcher, token) for matcher, token in pairs]
+    )
+    return [
+        None if ok else f"token {token} refused: {matcher._matcher.get_error()}"
+        for (matcher, token), ok in zip(pairs, accepted, strict=True)
+    ]
+
+
+def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> list[str | None]:
+    """Write each matcher's next-token mask into its row of ``bitmask`` (int32 [B,
+    num_mask_words()], C-contiguous), the whole batch in one call spread over the library's
+    threads (one GIL release for all of them): per pair None, or why no token can follow."""
+    llguidance.numpy.fill_next_token_bitmask_par(
+        _executor(), [(matcher._matcher, row) for matcher, row in rows], bitmask
+    )
+    allowed = bitmask.any(axis=1)
+    return [
+        matcher._matcher.get_error() if matcher._matcher.is_error()
+        else None if allowed[row] else "the grammar allows no next token"
+        for matcher, row in rows
+    ]  # fmt: skip
 
 
 class Matcher:

@@ -2,8 +2,9 @@
 
 Owns the scheduler and the model runner, and each request's sampling state: its seed (drawn
 here when the request has none, so its tokens are reproducible inside any batch) and its
-grammar, whose next mask is computed on a thread while the forward pass runs on the device.
-Single-threaded: async_engine.py drives it from one worker thread.
+grammar (grammar_batch.py: every row's token consumed and every row's next mask computed in
+one call each, while the forward pass runs on the device). Single-threaded: async_engine.py
+drives it from one worker thread.
 
 Async scheduling (``async_scheduling``, on by default): each ``step`` schedules and launches
 the next step before it waits for the tokens of the one in flight, so the device runs while
@@ -18,17 +19,13 @@ API request has a grammar, its reasoning budget's; bench/RESULTS.md e16).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from gptoss_serve.config import SamplingParams
-from gptoss_serve.constrain.adapter import ConstraintError, num_mask_words
-from gptoss_serve.engine.constrained import GrammarConstraint
+from gptoss_serve.engine.grammar_batch import BatchGrammars
 from gptoss_serve.engine.model_runner import (
     ModelRunner,
     PreviousTokens,
@@ -46,7 +43,6 @@ logger = logging.getLogger(__name__)
 class _SamplingState:
     params: SamplingParams
     seed: int
-    constraint: GrammarConstraint | None
 
 
 @dataclass(frozen=True)
@@ -77,7 +73,6 @@ class EngineCore:
         scheduler: Scheduler,
         runner: ModelRunner,
         *,
-        mask_pool: concurrent.futures.Executor | None = None,
         cache_salt: str = "",
         async_scheduling: bool = True,
     ) -> None:
@@ -86,25 +81,23 @@ class EngineCore:
         self.cache_salt = cache_salt
         self.async_scheduling = async_scheduling
         self._in_flight: _Launched | None = None  # launched by the last step, not read
-        # Masks overlap the forward pass; one thread keeps up (tens of µs per mask).
-        self._mask_pool = mask_pool or concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="masks"
-        )
         self._states: dict[str, _SamplingState] = {}
+        self._grammars = BatchGrammars()
 
     def add_request(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> None:
         """Raises SchedulerError (a request that can never run) or GrammarError."""
-        constraint = None
         if params.grammar is not None:
-            constraint = GrammarConstraint(params.grammar, self._mask_pool)
+            self._grammars.add(request_id, params.grammar)
         request = Request(request_id, prompt_ids, params, cache_salt=self.cache_salt)
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except Exception:
+            self._grammars.remove(request_id)
+            raise
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        self._states[request_id] = _SamplingState(params, seed, constraint)
-        if constraint is not None:
-            constraint.start()
+        self._states[request_id] = _SamplingState(params, seed)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)
@@ -144,7 +137,7 @@ class EngineCore:
         ids = inputs.sampled_request_ids
         # While the device computes the logits: the rows' sampling values and grammar masks.
         sampling = self._sampling_batch(ids)
-        bitmask, failed = self._bitmasks(ids)
+        bitmask, failed = self._grammars.bitmask(ids)
         tokens = self.runner.sample_async(logits, sampling, bitmask) if ids else None
         return _Launched(output, ids, tokens, failed)
 
@@ -159,9 +152,9 @@ class EngineCore:
         ids = inputs.sampled_request_ids
         sampling = self._sampling_batch(ids)  # before the update: the same draw as in turn
         result = None
-        if any(self._constraint(request_id) is not None for request_id in ids):
+        if any(request_id in self._grammars for request_id in ids):
             result = self._complete(launched)
-        bitmask, failed = self._bitmasks(ids)
+        bitmask, failed = self._grammars.bitmask(ids)
         tokens = self.runner.sample_async(logits, sampling, bitmask) if ids else None
         return _Launched(output, ids, tokens, failed), result
 
@@ -169,11 +162,9 @@ class EngineCore:
         """Read a launched step's tokens back and update the requests with them."""
         ids, failed = launched.request_ids, launched.failed
         tokens = [] if launched.tokens is None else launched.tokens.tolist()
-        for request_id, token in zip(ids, tokens, strict=True):
-            state = self._states.get(request_id)  # None: finished or aborted since
-            if state is not None and state.constraint is not None and request_id not in failed:
-                state.constraint.advance(token)
         sampled = dict(zip(ids, tokens, strict=True))
+        # Requests finished or aborted since have left the grammars; failed ones are skipped.
+        self._grammars.advance({r: t for r, t in sampled.items() if r not in failed})
         outputs = self.scheduler.update_from_output(launched.output, sampled)
         for result in outputs:
             if result.finish_reason is not None:
@@ -193,30 +184,9 @@ class EngineCore:
             steps.append(self.scheduler.requests[request_id].num_output_tokens)
         return SamplingBatch(temperature, top_p, seeds, steps)
 
-    def _constraint(self, request_id: str) -> GrammarConstraint | None:
-        state = self._states.get(request_id)  # None: finished or aborted since scheduled
-        return None if state is None else state.constraint
-
-    def _bitmasks(self, request_ids: Sequence[str]) -> tuple[torch.Tensor | None, dict[str, str]]:
-        rows = [self._constraint(r) for r in request_ids]
-        if all(c is None for c in rows):
-            return None, {}
-        bitmask = torch.full((len(rows), num_mask_words()), -1, dtype=torch.int32)
-        failed = {}
-        for row, (request_id, constraint) in enumerate(zip(request_ids, rows, strict=True)):
-            if constraint is None:
-                continue
-            try:
-                bitmask[row] = constraint.bitmask()
-            except ConstraintError as error:  # this request fails; the batch goes on
-                logger.warning("request %s: grammar failed: %s", request_id, error)
-                failed[request_id] = f"constrained decoding failed: {error}"
-        return bitmask, failed
-
     def _drop(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
-        if state is not None and state.constraint is not None:
-            state.constraint.cancel()
+        self._states.pop(request_id, None)
+        self._grammars.remove(request_id)
 
     def close(self) -> None:
         if self._in_flight is not None:  # let the device finish what it was given
@@ -225,4 +195,3 @@ class EngineCore:
             self._in_flight = None
         for request_id in list(self._states):
             self._drop(request_id)
-        self._mask_pool.shutdown(wait=True)
