@@ -137,7 +137,7 @@ class EngineCore:
         ids = inputs.sampled_request_ids
         # While the device computes the logits: the rows' sampling values and grammar masks.
         sampling = self._sampling_batch(ids)
-        bitmask, failed = self._grammars.bitmask(ids)
+        bitmask, failed = self._grammars.bitmask(ids, self.runner.mask_buffer)
         tokens = self.runner.sample_async(logits, sampling, bitmask) if ids else None
         return _Launched(output, ids, tokens, failed)
 
@@ -154,7 +154,7 @@ class EngineCore:
         result = None
         if any(request_id in self._grammars for request_id in ids):
             result = self._complete(launched)
-        bitmask, failed = self._grammars.bitmask(ids)
+        bitmask, failed = self._grammars.bitmask(ids, self.runner.mask_buffer)
         tokens = self.runner.sample_async(logits, sampling, bitmask) if ids else None
         return _Launched(output, ids, tokens, failed), result
 

@@ -15,14 +15,17 @@ next step that samples it (``bitmask`` reports it); the batch goes on without it
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from gptoss_serve.constrain import adapter
 
 logger = logging.getLogger(__name__)
+
+
+def _empty(rows: int, words: int) -> torch.Tensor:
+    return torch.empty((rows, words), dtype=torch.int32)
 
 
 class BatchGrammars:
@@ -61,14 +64,19 @@ class BatchGrammars:
             if reason is not None:
                 self._errors[request_id] = reason
 
-    def bitmask(self, request_ids: Sequence[str]) -> tuple[torch.Tensor | None, dict[str, str]]:
+    def bitmask(
+        self, request_ids: Sequence[str], allocate: Callable[[int, int], torch.Tensor] = _empty
+    ) -> tuple[torch.Tensor | None, dict[str, str]]:
         """The masks of a step's sampled rows (int32 [rows, words]; -1, everything allowed, on
         rows without a grammar), or None when no row has one; and the requests that failed ->
-        why."""
+        why. ``allocate(rows, words)`` gives the CPU tensor they are written into (the
+        runner's pinned buffer, whose upload does not wait for the device)."""
         rows = [(row, r) for row, r in enumerate(request_ids) if r in self._matchers]
         if not rows:
             return None, {}
-        bitmask = np.full((len(request_ids), adapter.num_mask_words()), -1, dtype=np.int32)
+        masks = allocate(len(request_ids), adapter.num_mask_words())
+        bitmask = masks.numpy()
+        bitmask.fill(-1)
         reasons = {r: self._errors[r] for _, r in rows if r in self._errors}
         live = [(row, r) for row, r in rows if r not in reasons]
         if live:
@@ -81,4 +89,4 @@ class BatchGrammars:
         for request_id, reason in reasons.items():
             logger.warning("request %s: grammar failed: %s", request_id, reason)
             failed[request_id] = f"constrained decoding failed: {reason}"
-        return torch.from_numpy(bitmask), failed
+        return masks, failed

@@ -99,6 +99,11 @@ class ModelRunner:
                 for _ in range(2)
             ]
         self._num_reads = 0
+        # The grammar masks go up from a pinned buffer: a pageable upload of a batch's masks
+        # (4.3 MB at 171 rows, 25 MB at 1024) first waits for the device to finish the forward
+        # pass queued before it, which the host was meant to overlap (bench/RESULTS.md e25).
+        self._mask_buffer: torch.Tensor | None = None
+        self._mask_uploaded: torch.cuda.Event | None = None
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
@@ -167,12 +172,27 @@ class ModelRunner:
             return []
         return self.launch_sampling(logits, sampling, bitmask).tolist()
 
+    def mask_buffer(self, rows: int, words: int) -> torch.Tensor:
+        """Where the next sampling's grammar masks are written: int32 [rows, words] on the
+        host, pinned on a GPU (its last upload waited for: free to write)."""
+        if self.device.type != "cuda":
+            return torch.empty((rows, words), dtype=torch.int32)
+        if self._mask_buffer is None or self._mask_buffer.shape[1] != words:
+            self._mask_buffer = torch.empty((self.batch.max_num_seqs, words), dtype=torch.int32,
+                                            pin_memory=True)  # fmt: skip
+        elif self._mask_uploaded is not None:
+            self._mask_uploaded.synchronize()
+        return self._mask_buffer[:rows]
+
     def launch_sampling(
         self, logits: torch.Tensor, sampling: SamplingBatch, bitmask: torch.Tensor | None
     ) -> torch.Tensor:
         """``sample`` without reading the tokens back: int64 [S] on the device."""
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask.to(self.device, non_blocking=True))
+            if self._mask_buffer is not None and bitmask.is_pinned():
+                self._mask_uploaded = torch.cuda.Event()
+                self._mask_uploaded.record()
         device = self.device
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
