@@ -1,4 +1,6 @@
-"""A request's grammar as the sampler's ``TokenConstraint``, its masks computed off-thread.
+"""A request's grammar as the sampler's ``TokenConstraint``, its masks computed off-thread (the
+CPU engine and ``generate``, one sequence at a time; the GPU engine does its batch's rows
+together: grammar_batch.py).
 
 After a token is drawn, ``advance`` hands (consume the token, compute the next mask) to a small
 thread pool and returns at once; the model's forward pass for that token runs meanwhile, and

@@ -2,11 +2,12 @@
 the next step's masks computed for the whole batch at once.
 
 Every API request carries a grammar (its reasoning budget, bench/RESULTS.md e16), so a decode
-batch of N requests needs N masks a step. Computed one request at a time on a worker thread,
-each mask took the GIL back from the engine's thread once; at 160 requests on an H100 (FP8
-cache, 171 seats) the masks then cost 10 ms a step, and the served throughput fell from 3,940
-to 3,075 tok/s (bench/RESULTS.md e25). Here the grammar library's batch calls do all rows in
-one call each, on its own threads.
+batch of N requests needs N masks a step. One worker-thread job per request took the GIL back
+from the engine's thread once a mask: at 160 requests on an H100 (FP8 cache, 171 seats;
+bench/grammar_load.py) 9.1-9.4 ms a step. Here the grammar library's batch calls do all
+rows in one call each, on its own threads: 3.7-4.3 ms for the masks and 1.8-2.0 ms for the
+advance (bench/RESULTS.md e25). The masks are written into the runner's pinned buffer
+(``allocate``), whose upload does not wait for the device.
 
 A token a grammar refuses, or a grammar that allows nothing next, fails that request at the
 next step that samples it (``bitmask`` reports it); the batch goes on without it.
