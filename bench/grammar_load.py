@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results/grammar_load.json")  # fmt: skip
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)  # the engine's sizing: seats, KV cache, graphs
     configure_allocator()  # as `serve` runs (cli.main)
     weights = synthetic_weights(synthetic_model_config(args.model), device="cuda")
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=seats.MAX_SEATS),
@@ -137,7 +139,10 @@ def main() -> None:
         "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
         "seats": runner.batch.max_num_seqs, "concurrency": args.concurrency,
         "requests": args.requests, "variants": rows,
+        "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2),
+        "device_gb": round(torch.cuda.get_device_properties(0).total_memory / 1e9, 2),
     }  # fmt: skip
+    print("peak reserved", results["peak_reserved_gb"], "GB of", results["device_gb"], flush=True)  # noqa: T201
     args.out.write_text(json.dumps(results, indent=1) + "\n")
 
 

@@ -32,6 +32,7 @@ class DecodeGraphs:
         self.batch_sizes = tuple(sorted(batch_sizes))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._logits: torch.Tensor | None = None  # every graph's logits, rows of the largest
 
     def capture(
         self, prepare: Callable[[int], object], run: Callable[[object], torch.Tensor]
@@ -39,18 +40,29 @@ class DecodeGraphs:
         """``prepare(size)`` fills the first ``size`` rows of the runner's buffers (padding)
         and returns the step's inputs, outside the graph (host work and uploads are not part
         of it); ``run(inputs)`` is the decode step on them, returning its logits. Largest size
-        first, so the smaller graphs fit in the memory pool the largest one reserved."""
+        first, so the smaller graphs fit in the memory pool the largest one reserved.
+
+        Every graph ends by copying its logits into one buffer of the largest size's rows,
+        which is what ``replay`` returns (a step's logits are sampled before the next step's
+        replay, in stream order). A logits tensor kept per graph stayed live in the pool, one
+        [size, vocab] float32 block each: 13.9 GB over the sizes up to 1024 seats, which the
+        KV cache's sizing did not see (synthetic-20b at 1024 seats ran out of memory on an
+        80 GB H100; bench/RESULTS.md e25)."""
         started = time.perf_counter()
         for size in reversed(self.batch_sizes):
             inputs = prepare(size)
-            run(inputs)  # warm-up outside the graph: Triton compiles, cuBLAS picks algorithms
+            warm = run(inputs)  # outside the graph: Triton compiles, cuBLAS picks algorithms
+            if self._logits is None:
+                self._logits = torch.empty_like(warm)
+            del warm
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
+            out = self._logits[:size]
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = run(inputs)
+                out.copy_(run(inputs))
             if self._pool is None:
                 self._pool = graph.pool()
-            self._graphs[size] = (graph, logits)
+            self._graphs[size] = (graph, out)
         torch.cuda.synchronize()
         logger.info(
             "captured %d decode graphs (batch %d..%d) in %.1fs",

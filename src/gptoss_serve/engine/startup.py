@@ -220,9 +220,13 @@ def profile_step_memory(
         valid_rows=inputs.valid_rows,
     )
     torch.cuda.synchronize(device)
-    # The peak of the step itself, plus the logits of a full decode batch.
+    # The peak of the step itself, plus a full decode batch's logits: float32 rows in the
+    # graphs' shared buffer (cuda_graphs.py, allocated after the cache) and a step's own
+    # working copies beside them (an eager step's float32 logits from bf16; a grammar mask's
+    # int32 bits, bools and masked copy: ~9 bytes a logit). 16 bytes a logit: 3.3 GB at 1024
+    # seats of a 201k vocabulary.
     peak = torch.cuda.max_memory_allocated(device) - before - scratch.num_bytes
-    peak += scheduler.max_num_seqs * weights.config.vocab_size * 4 * 2
+    peak += scheduler.max_num_seqs * weights.config.vocab_size * 4 * 4
     del scratch, batch, inputs
     torch.cuda.empty_cache()
     logger.info("one step of %d tokens needs %.2f GiB beyond the weights", num_tokens, peak / GIB)
