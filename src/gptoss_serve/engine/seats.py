@@ -2,15 +2,15 @@
 
 A fixed seat count is wrong on every card but one: 64 seats leave an H200 (which holds 727
 sequences of 2k tokens beside 120b's weights) a tenth full, while 1024 seats on an 80 GB card
-reserve their sliding windows and logits (~7 MB a seat of 120b) out of a cache that holds ~84
+reserve their sliding windows and logits (~8 MB a seat of 120b) out of a cache that holds ~84
 such sequences. So the seats are the sequences of ``SEAT_TOKENS`` tokens of context the KV
 cache holds, between ``MIN_SEATS`` (the fixed default before) and ``MAX_SEATS`` (vLLM's default
 on GPUs of 70 GB or more, and the largest CUDA-graph batch). Longer requests still run: the
 scheduler admits what the blocks hold and preempts when they run out.
 
-The memory one step needs grows with the seats (the logits of a full decode batch: 1.6 GB at
-1024 seats of 120b), so what fits is measured at the seat count being tried, again at the
-count found, until it settles (``settle_seats``).
+The memory one step needs grows with the seats (a full decode batch's logits and their working
+copies: 3.3 GB at 1024 seats of 120b), so what fits is measured at the seat count being tried,
+again at the count found, until it settles (``settle_seats``).
 """
 
 from __future__ import annotations
