@@ -83,3 +83,27 @@ def test_a_step_counts_its_real_rows_in_the_lengths_upload() -> None:
     assert capture.valid_rows.tolist() == [0]
     lengths = padded.metadata.decode_seq_lens
     assert padded.valid_rows.untyped_storage().data_ptr() == lengths.untyped_storage().data_ptr()
+
+
+def test_a_row_is_rewritten_when_its_tables_change_and_only_then() -> None:
+    """The host tables skip a row that already holds the very tuple of this step (a request's
+    tables are one object until they change), and write it whenever it is another one: the
+    same request's grown table, or another request in that row."""
+    batch = _batch()
+    step = decode_step(1, [40, 70])
+    batch.prepare(step, decode_rows=2)
+    host = batch.decode_tables[0].np
+    host[0, 0] = -7  # what a skipped row keeps (never happens to a real row)
+    batch.prepare(dataclasses.replace(step, step=2), decode_rows=2)
+    assert host[0, 0] == -7  # the same tuple: not written again
+    grown = dataclasses.replace(
+        step.scheduled[0], block_ids=(tuple(range(0, 4)),) * 2, num_computed_tokens=48
+    )
+    other = decode_step(3, [70, 40]).scheduled  # the rows' requests swapped
+    meta = batch.prepare(
+        dataclasses.replace(step, step=3, scheduled=(grown, other[1])), decode_rows=2
+    ).metadata
+    assert meta.decode_block_tables[0][0, :4].tolist() == [0, 1, 2, 3]
+    meta = batch.prepare(dataclasses.replace(step, step=4, scheduled=other), decode_rows=2).metadata
+    assert meta.decode_block_tables[0][0, :5].tolist() == [0, 1, 2, 3, 4]
+    assert meta.decode_block_tables[1][1, :3].tolist() == [100, 101, 102]

@@ -98,3 +98,31 @@ def test_sliding_bounds() -> None:
                 worst = max(worst, -(-(c + n) // 16) - first)
             assert worst == sliding_blocks_bound(window, n), (window, n)
     assert sliding_pool_bound(128, 64, 2048) == 64 * 9 + (2048 + 15 * 64) // 16
+
+
+def test_frozen_tables_are_rebuilt_only_when_the_manager_changes_them() -> None:
+    """A step's output carries ``Request.frozen_block_ids``: one tuple object while the tables
+    stand (the input batch then skips rewriting that row), a new one with the new contents
+    after every change: a block added, a sliding block freed, everything freed."""
+    kv = KvCacheManager(16, 16, sliding_window=32)
+    request = make_request("a", 20)
+    assert kv.allocate(request, 20)  # 2 blocks
+    frozen = request.frozen_block_ids()
+    assert frozen == tuple(tuple(t) for t in request.block_ids)
+    request.num_computed_tokens = 20
+    assert kv.allocate(request, 1)  # token 21 still in block 1
+    assert request.frozen_block_ids() is frozen
+    request.num_computed_tokens = 32
+    assert kv.allocate(request, 1)  # token 33 opens block 2
+    grown = request.frozen_block_ids()
+    assert grown is not frozen and len(grown[0]) == 3 and grown[0][:2] == frozen[0]
+    request.num_computed_tokens = 60
+    assert kv.allocate(request, 1)
+    before = request.frozen_block_ids()
+    assert kv.free_outside_window(request) == 1  # block 0 leaves the window
+    after = request.frozen_block_ids()
+    assert after is not before and after[SLIDING_GROUP][0] == NO_BLOCK
+    assert kv.free_outside_window(request) == 0
+    assert request.frozen_block_ids() is after  # nothing freed: nothing changed
+    kv.free(request)
+    assert request.frozen_block_ids() == ()

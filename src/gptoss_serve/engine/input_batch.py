@@ -41,6 +41,8 @@ class _Buffer:
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.np = self.host.numpy()
         self.device = torch.zeros(shape, dtype=dtype, device=device)
+        # What each host row was last filled from (block tables: _fill_tables).
+        self.rows: list[object] = [None] * shape[0]
 
     def upload(self, rows: int, cols: int | None = None) -> torch.Tensor:
         """Copy the leading ``rows`` (x ``cols``) to the device; returns the device view."""
@@ -215,8 +217,8 @@ class InputBatch:
         lens["decode_seq_lens"][:num_decodes] = [s.seq_len for s in decodes]
         lens["decode_seq_lens"][num_decodes:decode_rows] = 0
         for group in range(self.num_groups):
-            _fill_tables(self.decode_tables[group].np, decodes, group)
-            _fill_tables(self.prefill_tables[group].np, prefills, group)
+            _fill_tables(self.decode_tables[group], decodes, group)
+            _fill_tables(self.prefill_tables[group], prefills, group)
         lens["prefill_seq_lens"][: len(prefills)] = [s.seq_len for s in prefills]
         lens["query_start_loc"][0] = 0
         lens["query_start_loc"][1 : len(prefills) + 1] = np.cumsum(
@@ -259,7 +261,13 @@ def _width(entries) -> int:
     return max((cdiv(s.seq_len, BLOCK_SIZE) for s in entries), default=1)
 
 
-def _fill_tables(tables: np.ndarray, entries, group: int) -> None:
+def _fill_tables(tables: _Buffer, entries, group: int) -> None:
+    """Each entry's table of ``group`` into its row of the host buffer, unless that row already
+    holds this very tuple: a request's tables are one tuple object until the KV manager changes
+    them (``Request.frozen_block_ids``: once in 16 tokens for a decode), so a long context is
+    not converted again at every step."""
     for row, entry in enumerate(entries):
         table = entry.block_ids[group]
-        tables[row, : len(table)] = table
+        if tables.rows[row] is not table:
+            tables.np[row, : len(table)] = table
+            tables.rows[row] = table

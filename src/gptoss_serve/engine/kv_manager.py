@@ -169,10 +169,15 @@ class KvCacheManager:
                 is_refused = True
         if is_refused:
             return False
+        changed = tables is not request.block_ids
         for pool, table, prefix_ids in zip(self.pools, tables, all_prefix_ids, strict=True):
             pool.touch(b for b in prefix_ids if b != NO_BLOCK)
-            table.extend(pool.allocate(num_needed - len(table)))
+            if num_needed > len(table):
+                table.extend(pool.allocate(num_needed - len(table)))
+                changed = True
         request.block_ids = tables
+        if changed:
+            request.tables_version += 1
         if prefix is not None:
             request.num_registered_blocks = len(prefix.block_ids[FULL_GROUP])
         return True
@@ -188,6 +193,7 @@ class KvCacheManager:
         for pool, table in zip(self.pools, request.block_ids, strict=True):
             pool.free(b for b in reversed(table) if b != NO_BLOCK)
         request.block_ids = []
+        request.tables_version += 1
         request.num_registered_blocks = 0
 
     def free_outside_window(self, request: Request) -> int:
@@ -201,8 +207,10 @@ class KvCacheManager:
         while start > 0 and table[start - 1] != NO_BLOCK:  # -1 entries form a leading run
             start -= 1
         freed = table[start:stop]
-        table[start:stop] = [NO_BLOCK] * len(freed)
-        self.pools[SLIDING_GROUP].free(freed)
+        if freed:
+            table[start:stop] = [NO_BLOCK] * len(freed)
+            self.pools[SLIDING_GROUP].free(freed)
+            request.tables_version += 1
         return len(freed)
 
     def register_computed_blocks(self, request: Request) -> None:

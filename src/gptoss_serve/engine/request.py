@@ -77,10 +77,23 @@ class Request:
         # Physical block ids per KV group (0: full attention, 1: sliding window), one entry per
         # logical block of 16 tokens; -1 marks a sliding block freed for lying before the window.
         self.block_ids: list[list[int]] = []
+        # Bumped by the KV manager whenever it changes block_ids (frozen_block_ids' cache key).
+        self.tables_version = 0
+        self._frozen_tables: tuple[int, tuple[tuple[int, ...], ...]] | None = None
         # Chained hashes of the full blocks of all_token_ids, filled lazily (block_pool).
         self.block_hashes: list[bytes] = []
         # Leading blocks already registered in the prefix cache (kv_manager's bookkeeping).
         self.num_registered_blocks = 0
+
+    def frozen_block_ids(self) -> tuple[tuple[int, ...], ...]:
+        """``block_ids`` as tuples (what a step's output carries), rebuilt only after the KV
+        manager changed them (``tables_version``): copying every table at every step took the
+        scheduler 60 -> 23 ms a step at 1000 decodes of 8k tokens (a CPU, bench/RESULTS.md
+        e25), since a decode's tables change once in 16 tokens."""
+        if self._frozen_tables is None or self._frozen_tables[0] != self.tables_version:
+            frozen = tuple(tuple(table) for table in self.block_ids)
+            self._frozen_tables = (self.tables_version, frozen)
+        return self._frozen_tables[1]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -257,7 +257,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start : start + num_new]),
             num_computed_tokens=start,
-            block_ids=tuple(tuple(table) for table in request.block_ids),
+            block_ids=request.frozen_block_ids(),
             new_block_ids=tuple(
                 tuple(table[old:])
                 for table, old in zip(request.block_ids, old_lengths, strict=True)
