@@ -117,7 +117,7 @@ def consume_tokens(pairs: Sequence[tuple[Matcher, int]]) -> list[str | None]:
         _executor(), [(matcher._matcher, token) for matcher, token in pairs]
     )
     return [
-        None if ok else f"token {token} refused: {matcher._matcher.get_error()}"
+        None if ok else matcher.refusal(token)
         for (matcher, token), ok in zip(pairs, accepted, strict=True)
     ]
 
@@ -130,11 +130,7 @@ def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> l
         _executor(), [(matcher._matcher, row) for matcher, row in rows], bitmask
     )
     allowed = bitmask.any(axis=1)
-    return [
-        matcher._matcher.get_error() if matcher._matcher.is_error()
-        else None if allowed[row] else "the grammar allows no next token"
-        for matcher, row in rows
-    ]  # fmt: skip
+    return [matcher.mask_problem(bool(allowed[row])) for matcher, row in rows]
 
 
 class Matcher:
@@ -147,15 +143,25 @@ class Matcher:
         """Write the next token's mask into ``bitmask`` (int32 [num_mask_words()]);
         raises ConstraintError when no token is allowed."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask[None, :], 0)
-        if self._matcher.is_error():
-            raise ConstraintError(self._matcher.get_error())
-        if not bitmask.any():
-            raise ConstraintError("the grammar allows no next token")
+        problem = self.mask_problem(bool(bitmask.any()))
+        if problem is not None:
+            raise ConstraintError(problem)
 
     def consume(self, token_id: int) -> None:
         """Advance by the sampled token; raises ConstraintError if the grammar refuses it."""
         if not self._matcher.consume_token(token_id):
-            raise ConstraintError(f"token {token_id} refused: {self._matcher.get_error()}")
+            raise ConstraintError(self.refusal(token_id))
+
+    def mask_problem(self, any_allowed: bool) -> str | None:
+        """After a mask was filled (``any_allowed``: some bit of it is set): why no token can
+        follow (the matcher's error, or an empty mask), or None."""
+        if self._matcher.is_error():
+            return self._matcher.get_error()
+        return None if any_allowed else "the grammar allows no next token"
+
+    def refusal(self, token_id: int) -> str:
+        """Why the grammar refused ``token_id`` (after ``consume_token`` said it did)."""
+        return f"token {token_id} refused: {self._matcher.get_error()}"
 
     @property
     def is_finished(self) -> bool:
