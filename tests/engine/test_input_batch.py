@@ -107,3 +107,46 @@ def test_a_row_is_rewritten_when_its_tables_change_and_only_then() -> None:
     meta = batch.prepare(dataclasses.replace(step, step=4, scheduled=other), decode_rows=2).metadata
     assert meta.decode_block_tables[0][0, :5].tolist() == [0, 1, 2, 3, 4]
     assert meta.decode_block_tables[1][1, :3].tolist() == [100, 101, 102]
+
+
+def test_a_step_uploads_its_rows_at_its_own_width_only() -> None:
+    """A graph step's tables land in the leading rows and the step's width (rounded up to 16
+    blocks) of the full-width buffer the graph reads: the padding rows and the columns past
+    that width are not copied (at 1024 rows of 128k tables the full rows were 67 MB a step).
+    An unpadded step's tables are one contiguous array of that width."""
+    batch = _batch()
+    for table in batch.decode_tables:
+        table.wide.fill_(-5)
+    meta = batch.prepare(decode_step(1, [40, 300]), decode_rows=4).metadata
+    for group in range(2):
+        wide = meta.decode_block_tables[group]
+        assert wide.shape == (4, MAX_MODEL_LEN // BLOCK_SIZE)
+        assert wide[1, :19].tolist() == list(range(100, 119))  # 301 tokens: 19 blocks
+        assert (wide[:2, 32:] == -5).all() and (wide[2:] == -5).all()
+    plain = batch.prepare(decode_step(2, [41, 301])).metadata
+    for group in range(2):
+        table = plain.decode_block_tables[group]
+        assert table.is_contiguous() and table.shape == (2, 32)
+        assert table[1, :19].tolist() == list(range(100, 119))
+        assert table[0, :3].tolist() == [0, 1, 2]
+
+
+def test_a_mixed_step_between_graph_steps_leaves_the_graphs_tables_whole() -> None:
+    """Unpadded steps (prefills with decodes) upload into their own device array, so the
+    next graph step still reads every row it needs, a row that grew past the last width
+    included."""
+    batch = _batch()
+    batch.prepare(decode_step(1, [40, 70]), decode_rows=2)
+    decodes = decode_step(2, [41, 71])
+    prefill = ScheduledRequest(
+        request_id="p", token_ids=tuple(range(20)), num_computed_tokens=0,
+        block_ids=((500, 501),) * 2, new_block_ids=((500, 501),) * 2, is_new=True,
+        is_sampled=True,
+    )  # fmt: skip
+    mixed = batch.prepare(dataclasses.replace(decodes, scheduled=(*decodes.scheduled, prefill)))
+    assert mixed.metadata.prefill_block_tables[0][0, :2].tolist() == [500, 501]
+    longer = decode_step(3, [42, 600])  # 601 tokens: 38 blocks, past the 16 uploaded before
+    meta = batch.prepare(longer, decode_rows=2).metadata
+    for group in range(2):
+        assert meta.decode_block_tables[group][0, :3].tolist() == [0, 1, 2]
+        assert meta.decode_block_tables[group][1, :38].tolist() == list(range(100, 138))
