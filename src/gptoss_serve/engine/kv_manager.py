@@ -148,6 +148,8 @@ class KvCacheManager:
         computed ones (or after ``prefix``, for a request being admitted, whose tables must be
         empty). Returns False, changing nothing, when some pool has too few free blocks."""
         if prefix is None:
+            if _holds(request.block_ids, request.num_computed_tokens + num_new_tokens):
+                return True  # a decode inside its last block (15 steps in 16): nothing to do
             num_computed = request.num_computed_tokens
             tables = request.block_ids
         else:
@@ -203,6 +205,8 @@ class KvCacheManager:
             return 0
         table = request.block_ids[SLIDING_GROUP]
         stop = min(self.window_start_block(request.num_computed_tokens), len(table))
+        if stop == 0 or table[stop - 1] == NO_BLOCK:  # nothing new left the window
+            return 0
         start = stop
         while start > 0 and table[start - 1] != NO_BLOCK:  # -1 entries form a leading run
             start -= 1
@@ -226,3 +230,11 @@ class KvCacheManager:
                 if table[index] != NO_BLOCK:
                     pool.register(table[index], request.block_hashes[index])
         request.num_registered_blocks = num_full
+
+
+def _holds(tables: list[list[int]], num_tokens: int) -> bool:
+    """Whether every table already has the blocks of ``num_tokens`` tokens (none: False)."""
+    if not tables:
+        return False
+    num_needed = cdiv(num_tokens, BLOCK_SIZE)
+    return all(num_needed <= len(table) for table in tables)

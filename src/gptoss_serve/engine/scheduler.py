@@ -136,9 +136,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
-        decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
-        prefills = [r for r in self.running if r.num_tokens_to_compute > 1]
-        for request in decodes + prefills:
+        for request in self._decodes_then_prefills():
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
@@ -180,6 +178,18 @@ class Scheduler:
         if not output.is_empty:
             self._in_flight.append(output)
         return output
+
+    def _decodes_then_prefills(self) -> list[Request]:
+        """The running requests with tokens to compute, decodes first (in one pass: this runs
+        over every running request at every step)."""
+        decodes, prefills = [], []
+        for request in self.running:
+            to_compute = request.num_tokens_to_compute
+            if to_compute == 1:
+                decodes.append(request)
+            elif to_compute > 1:
+                prefills.append(request)
+        return decodes + prefills
 
     def _check_in_flight(self, ahead: bool) -> None:
         if not ahead:
@@ -253,15 +263,20 @@ class Scheduler:
         is_new = old_lengths is None
         if old_lengths is None:
             old_lengths = [0] * len(request.block_ids)
+        tables = request.frozen_block_ids()
+        lengths = [len(table) for table in tables]
+        if lengths == old_lengths:
+            new_block_ids = ((),) * len(tables)  # a decode inside its last block
+        else:
+            new_block_ids = tuple(
+                table[old:] for table, old in zip(tables, old_lengths, strict=True)
+            )
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start : start + num_new]),
             num_computed_tokens=start,
-            block_ids=request.frozen_block_ids(),
-            new_block_ids=tuple(
-                tuple(table[old:])
-                for table, old in zip(request.block_ids, old_lengths, strict=True)
-            ),
+            block_ids=tables,
+            new_block_ids=new_block_ids,
             is_new=is_new,
             is_sampled=start + num_new == request.num_tokens,
             num_cached_tokens=start if is_new else 0,
