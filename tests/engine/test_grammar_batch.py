@@ -55,7 +55,11 @@ def test_batch_masks_equal_each_matcher_alone(grammars: dict[str, str]) -> None:
     for position in range(max(len(p) for p in prefixes.values())):
         batch.advance({rid: p[position] for rid, p in prefixes.items() if position < len(p)})
     order = ["free", "c", "a", "d", "b"]  # "free": a row without a grammar
-    bitmask, failed = batch.bitmask(order)
+
+    def stale(rows: int, words: int) -> torch.Tensor:  # a reused buffer: last step's bits
+        return torch.full((rows, words), 0x5A5A5A5A, dtype=torch.int32)
+
+    bitmask, failed = batch.bitmask(order, stale)
     assert failed == {} and bitmask is not None
     assert bitmask.shape == (5, constrain_adapter.num_mask_words()) and bitmask.dtype == torch.int32
     assert (bitmask[0] == -1).all()
@@ -128,3 +132,14 @@ def test_the_adapter_batch_calls_report_each_matcher(grammars: dict[str, str]) -
     reasons = constrain_adapter.fill_bitmasks([(bad, 1), (fresh, 0)], bitmask)
     assert reasons[0] is not None and reasons[1] is None
     assert bitmask[0].any()
+
+
+def test_a_mask_with_bits_only_past_its_first_words_allows_a_token() -> None:
+    """The empty-mask check looks at a row's first words, then at the whole row where those
+    are zero: a state that allows only a special token (ids past 200,000) is not empty."""
+    words = constrain_adapter.num_mask_words()
+    bitmask = np.zeros((3, words), dtype=np.int32)
+    bitmask[0, 0] = 1
+    end = _tokens("<|end|>")[0]
+    bitmask[2, end // 32] = 1 << (end % 32)
+    assert constrain_adapter._rows_with_bits(bitmask, [2, 1, 0]) == [True, False, True]

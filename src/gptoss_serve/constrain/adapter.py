@@ -129,8 +129,19 @@ def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> l
     llguidance.numpy.fill_next_token_bitmask_par(
         _executor(), [(matcher._matcher, row) for matcher, row in rows], bitmask
     )
-    allowed = bitmask.any(axis=1)
-    return [matcher.mask_problem(bool(allowed[row])) for matcher, row in rows]
+    allowed = _rows_with_bits(bitmask, [row for _, row in rows])
+    return [matcher.mask_problem(ok) for (matcher, _), ok in zip(rows, allowed, strict=True)]
+
+
+_HEAD_WORDS = 64  # a mask's first 2,048 tokens: the ASCII and common ones, set in free text
+
+
+def _rows_with_bits(bitmask: np.ndarray, rows: list[int]) -> list[bool]:
+    """Whether each of ``rows`` of ``bitmask`` has a bit set: its first words first, and the
+    whole row only where those are all zero (scanning every row whole took ~3 ms a step at
+    960 rows of 201k-token masks)."""
+    head = bitmask[rows, :_HEAD_WORDS].any(axis=1)
+    return [bool(found) or bool(bitmask[row].any()) for row, found in zip(rows, head, strict=True)]
 
 
 class Matcher:
