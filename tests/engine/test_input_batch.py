@@ -22,6 +22,15 @@ def _batch() -> InputBatch:
     )  # fmt: skip
 
 
+def _new_prefill() -> ScheduledRequest:
+    """A just-admitted 20-token prompt in blocks 500 and 501 of both groups."""
+    return ScheduledRequest(
+        request_id="p", token_ids=tuple(range(20)), num_computed_tokens=0,
+        block_ids=((500, 501),) * 2, new_block_ids=((500, 501),) * 2, is_new=True,
+        is_sampled=True,
+    )  # fmt: skip
+
+
 def test_a_padded_step_reuses_its_views_and_writes_its_values() -> None:
     batch = _batch()
     first = batch.prepare(decode_step(1, [40, 70, 5]), decode_rows=4)
@@ -72,11 +81,7 @@ def test_a_step_counts_its_real_rows_in_the_lengths_upload() -> None:
     )
     assert padded.valid_rows.tolist() == [5]
     decodes = decode_step(3, [42, 72])
-    prefill = ScheduledRequest(
-        request_id="p", token_ids=tuple(range(20)), num_computed_tokens=0,
-        block_ids=((500, 501),) * 2, new_block_ids=((500, 501),) * 2, is_new=True,
-        is_sampled=True,
-    )  # fmt: skip
+    prefill = _new_prefill()
     mixed = dataclasses.replace(decodes, scheduled=(*decodes.scheduled, prefill))
     assert batch.prepare(mixed).valid_rows.tolist() == [22]  # not padded: every row
     capture = batch.prepare(decode_step(4, []), decode_rows=4)  # a graph's capture: padding
@@ -138,11 +143,7 @@ def test_a_mixed_step_between_graph_steps_leaves_the_graphs_tables_whole() -> No
     batch = _batch()
     batch.prepare(decode_step(1, [40, 70]), decode_rows=2)
     decodes = decode_step(2, [41, 71])
-    prefill = ScheduledRequest(
-        request_id="p", token_ids=tuple(range(20)), num_computed_tokens=0,
-        block_ids=((500, 501),) * 2, new_block_ids=((500, 501),) * 2, is_new=True,
-        is_sampled=True,
-    )  # fmt: skip
+    prefill = _new_prefill()
     mixed = batch.prepare(dataclasses.replace(decodes, scheduled=(*decodes.scheduled, prefill)))
     assert mixed.metadata.prefill_block_tables[0][0, :2].tolist() == [500, 501]
     longer = decode_step(3, [42, 600])  # 601 tokens: 38 blocks, past the 16 uploaded before
