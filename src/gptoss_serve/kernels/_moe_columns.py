@@ -334,8 +334,9 @@ def _columns_down_kernel(
     H_STRIDE: tl.constexpr, SCALE_WORDS: tl.constexpr = False, EXTRA: tl.constexpr = 0,
     LB: tl.constexpr = 1,
 ):  # fmt: skip
-    """y[pair, n0 : n0 + BN] fp32 = w_pair · (h_pair @ Wd[expert][rows]^T + bd[rows]); h rows
-    H_STRIDE apart, in tile order with TILE_ORDER, else in thread order. EXTRA: as gate_up's."""
+    """y[pair, n0 : n0 + BN] (fp32 or bf16) = w_pair · (h_pair @ Wd[expert][rows]^T +
+    bd[rows]); h rows H_STRIDE apart, in tile order with TILE_ORDER, else in thread order.
+    EXTRA: as gate_up's."""
     G: tl.constexpr = K // 32
     n0 = tl.program_id(0) * BN
     if PDL:
@@ -369,7 +370,8 @@ def _columns_down_kernel(
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
-        _store_y(acc2, pairs2, valid2, out_rows, bias, routing_weights_ptr, y_ptr, stride_y, N)
+        _store_y(acc2, pairs2, valid2, out_rows, bias, routing_weights_ptr, y_ptr, stride_y, N,
+                 INTERPRET)  # fmt: skip
     else:
         acc, _no_extra = _mxfp4_gemv(
             block_rows, scale_rows, row_groups, t, col_ptrs, tl.where(valid, G, 0),
@@ -378,14 +380,18 @@ def _columns_down_kernel(
         )  # fmt: skip
         if PDL:
             gdc_launch_dependents()
-    _store_y(acc, pairs, valid, out_rows, bias, routing_weights_ptr, y_ptr, stride_y, N)
+    _store_y(acc, pairs, valid, out_rows, bias, routing_weights_ptr, y_ptr, stride_y, N,
+             INTERPRET)  # fmt: skip
 
 
 @triton.jit
 def _store_y(acc, pairs, valid, out_rows, bias, routing_weights_ptr, y_ptr, stride_y,
-             N: tl.constexpr):  # fmt: skip
-    """down's epilogue: y[pair, out_rows] = w_pair · (acc · 2^62 + bias), the valid pairs."""
+             N: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """down's epilogue: y[pair, out_rows] = w_pair · (acc · 2^62 + bias), the valid pairs,
+    in y's dtype (fp32, or bf16 rounded to nearest even)."""
     weights = tl.load(routing_weights_ptr + pairs, mask=valid, other=0.0)
     y = (acc * ACC_SCALE + bias.to(tl.float32)[:, None]) * weights[None, :]
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        y = _to_bf16(y, INTERPRET)
     ptrs = y_ptr + pairs.to(tl.int64)[None, :] * stride_y + out_rows[:, None]
     tl.store(ptrs, y, mask=(out_rows < N)[:, None] & valid[None, :])

@@ -155,5 +155,6 @@ def _sum_pairs_kernel(
     live = mask & (token < _num_valid(valid_rows_ptr, tl.num_programs(0)))
     acc = tl.zeros([BLOCK], tl.float32)
     for slot in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + slot) * stride_y + cols, mask=live, other=0.0)
+        y = tl.load(y_ptr + (token * TOP_K + slot) * stride_y + cols, mask=live, other=0.0)
+        acc += y.to(tl.float32)
     tl.store(out_ptr + token * stride_out + cols, _to_bf16(acc, INTERPRET), mask=mask)

@@ -563,7 +563,7 @@ def launch_columns(
         num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages, launch_pdl=pdl,
         X_STRIDE=x_thread.stride(0), EXTRA=tiles.next_group_columns, **order,
     )  # fmt: skip
-    y = _scratch((num_pairs, hidden), torch.float32, device, poison)
+    y = _scratch((num_pairs, hidden), PAIR_DTYPE, device, poison)
     rows = tiles.down_rows
     columns._columns_down_kernel[(triton.cdiv(hidden, rows), g_max)](
         h, group_expert, group_pairs, gates, weights.down_blocks, weights.down_scales,
@@ -663,6 +663,13 @@ def _group_by_table(
 
 
 _SUM_BLOCK = 1024
+# The grouped columns' per-pair outputs y [T·k, H] (down's w · (h @ Wd^T + bd), summed per token
+# by sum_pairs in fp32). bf16, as vLLM's fused MoE keeps them, halves the bytes down writes and
+# the sum reads (94 -> 47 MB a layer at 2048 tokens); each pair is rounded once before the sum
+# (the layer's output moves by 2.7e-3 RMS relative to fp32 pairs). H100 (bench/RESULTS.md v22):
+# the sum 36.7 -> 18.4 us a layer at 2048 tokens, 145 -> 78 at 8192; the engine's prefill of
+# 2048 / 8192 tokens +1.0 / +2.2%.
+PAIR_DTYPE = torch.bfloat16
 _PAIRS_BLOCK = 1024  # pairs per program of the count and scatter kernels
 TABLE_CHUNK = 64  # row blocks per step of the one-program block-table kernel (_moe_triton)
 # Row blocks per program of the prefill grouping's block-table kernel. It was one program
@@ -676,8 +683,9 @@ _GROUP_FILL = 4096  # table entries cleared per step
 def sum_pairs(
     y: torch.Tensor, out: torch.Tensor, top_k: int, valid_rows: torch.Tensor | None = None
 ) -> None:
-    """out [T, H] (bf16) = Σ_slot y[t·k + slot] (y [T·k, H] fp32), in slot order; zero rows
-    from ``valid_rows[0]`` on (int32 [1]; None: none), whose y rows are not read."""
+    """out [T, H] (bf16) = Σ_slot y[t·k + slot] (y [T·k, H] fp32 or bf16, added in fp32), in
+    slot order; zero rows from ``valid_rows[0]`` on (int32 [1]; None: none), whose y rows are
+    not read."""
     num_tokens, hidden = out.shape
     gemm._sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](
         y, out, hidden, y.stride(0), out.stride(0), valid_rows, TOP_K=top_k, BLOCK=_SUM_BLOCK,
