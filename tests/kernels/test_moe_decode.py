@@ -386,7 +386,8 @@ def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> No
      (2048, (64, 128, 4, 3), True, 0), (2048, (64, 128, 4, 3), False, 0),
      (3000, (128, 128, 8, 2), True, 0), (600, (32, 128, 8, 3), True, 16),
      (2048, (64, 128, 4, 3), True, 16), (1000, (32, 128, 4, 3), True, 16),
-     (5000, (128, 128, 8, 3), True, 64), (4000, (128, 128, 8, 3), True, 0)],
+     (5000, (128, 128, 8, 3), True, 64), (4000, (128, 128, 8, 3), True, 0),
+     (3000, (64, 128, 4, 3), True, 32), (2300, (64, 128, 4, 3), True, 32)],
 )  # fmt: skip
 def test_gpu_wgmma_columns_match_reference(
     gpu_weights: MoeWeights, num_tokens: int, shape: tuple, scale_words: bool, extra: int

@@ -256,7 +256,12 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (384, dataclasses.replace(_WGMMA_COLUMNS, group_size=16)),
     (1024, dataclasses.replace(_WGMMA_COLUMNS, group_size=32, next_group_columns=16)),
     # From 1025 tokens the prefill tiles (_PREFILL_COLUMNS: 3 stages, the wider K-split router).
-    (3584, dataclasses.replace(_PREFILL_COLUMNS, group_size=64, next_group_columns=16)),
+    (2048, dataclasses.replace(_PREFILL_COLUMNS, group_size=64, next_group_columns=16)),
+    # From 2049 tokens (T · k / E from 64 pairs an expert) the last group rides along up to 32
+    # pairs: H100, one layer, us, the row above / this one (medians of 3 rounds, bench/RESULTS.md
+    # v22): 2304 tokens 1,282-1,297 / 1,253; 2560 1,448-1,498 / 1,395; 3072 1,684-1,780 /
+    # 1,673-1,717; 3584 1,969-2,003 / 1,913. At 1536 / 2048 it lost 2-3% / 1-2%.
+    (3584, dataclasses.replace(_PREFILL_COLUMNS, group_size=64, next_group_columns=32)),
     # Past 3584 tokens groups of 128 on 128-row tiles of 8 warps (two warpgroups of 64 rows on
     # the same activation tile: half the decode per MMA column), an expert's last group of up
     # to 64 pairs as extra columns. Time goes with the MMA columns run, padding included (the
