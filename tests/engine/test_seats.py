@@ -98,6 +98,8 @@ def test_seats_on_a_gpu_are_measured_on_it(monkeypatch: pytest.MonkeyPatch) -> N
     80 GB H100: 28 at 0.9 before the allocator fix), the engine gets that many seats, but never
     fewer than 64; where they fit, the request stands; an explicit cache is not measured."""
     gpu = SimpleNamespace(device=torch.device("cuda"))  # only its type is read
+    profiled = []
+    monkeypatch.setattr(startup, "_forward_bytes", lambda *a: profiled.append(a) or 5 << 30)
     for fit, expected in ((28, 64), (300, 300), (5000, 1024)):
         monkeypatch.setattr(startup, "seqs_that_fit_gpu", lambda *a, fit=fit, **k: fit)
         assert settled_config(gpu, _auto()).scheduler.max_num_seqs == expected
@@ -105,14 +107,23 @@ def test_seats_on_a_gpu_are_measured_on_it(monkeypatch: pytest.MonkeyPatch) -> N
     assert settled_config(gpu, given).scheduler.max_num_seqs == seats.MIN_SEATS
 
     # The step's reserve shrinks with the seats, so fewer seats leave room for more sequences
-    # (an FP8 cache on an H100: 63 fit beside 1024 seats, 104 beside 64): measured again.
-    def fit_at(weights, config: EngineConfig, *, tokens_per_seq: int) -> int:
+    # (an FP8 cache on an H100: 63 fit beside 1024 seats, 104 beside 64): measured again, with
+    # the forward pass profiled once for every count tried (or not at all when given).
+    def fit_at(weights, config: EngineConfig, *, tokens_per_seq: int, forward_bytes: int) -> int:
         assert tokens_per_seq == seats.SEAT_TOKENS and not config.fit_max_num_seqs
+        tried.append((config.scheduler.max_num_seqs, forward_bytes))
         count = config.scheduler.max_num_seqs
         return 63 if count > 500 else 104 - count // 50
 
     monkeypatch.setattr(startup, "seqs_that_fit_gpu", fit_at)
+    profiled.clear()
+    tried: list[tuple[int, int]] = []
     assert settled_config(gpu, _auto()).scheduler.max_num_seqs == 102
+    assert len(profiled) == 1
+    assert tried == [(1024, 5 << 30), (64, 5 << 30), (103, 5 << 30), (102, 5 << 30)]
+    tried.clear()
+    assert settled_config(gpu, _auto(), forward_bytes=7).scheduler.max_num_seqs == 102
+    assert len(profiled) == 1 and {b for _, b in tried} == {7}
 
 
 def _parsed(*flags: str):

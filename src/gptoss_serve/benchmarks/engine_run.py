@@ -18,7 +18,7 @@ import torch
 
 from gptoss_serve.benchmarks import engine_bench as eb
 from gptoss_serve.config import EngineConfig, SamplingParams
-from gptoss_serve.engine.startup import build_engine, settled_config
+from gptoss_serve.engine.startup import build_engine, settled_config, step_forward_bytes
 from gptoss_serve.engine.weights import ModelWeights
 from gptoss_serve.kernels.kv_dtype import cache_dtype
 
@@ -39,8 +39,11 @@ def run_engine_bench(
     started = time.perf_counter()
     # The seats settled as `serve --max-num-seqs auto` settles them (engine/seats.py): as many
     # as hold 2k tokens each, up to the request, never below the largest decode batch here.
-    config = settled_config(weights, replace(config, fit_max_num_seqs=True))
-    make_core, _, plan = build_engine(weights, config)
+    # The forward pass profiled once for both.
+    forward_bytes = step_forward_bytes(weights, config)
+    config = settled_config(weights, replace(config, fit_max_num_seqs=True),
+                            forward_bytes=forward_bytes)  # fmt: skip
+    make_core, _, plan = build_engine(weights, config, forward_bytes=forward_bytes)
     logger.warning("engine ready in %.1fs: %d KV tokens", time.perf_counter() - started,
                    plan.max_num_tokens)  # fmt: skip
     device = torch.cuda.get_device_name(weights.device) if weights.device.type == "cuda" else "cpu"

@@ -49,17 +49,20 @@ RESERVE_BYTES = GIB
 
 
 def build_engine(
-    weights: ModelWeights, config: EngineConfig
+    weights: ModelWeights, config: EngineConfig, *, forward_bytes: int | None = None
 ) -> tuple[Callable[[], EngineCore], ModelRunner, KvCachePlan]:
     """Returns a factory of engine cores (a fresh scheduler over the same runner and cache:
     what a failed step restarts with), the runner, and the KV cache plan. With
     ``config.fit_max_num_seqs`` the seats are first settled on what this GPU holds
-    (``settled_config``); ``runner.batch.max_num_seqs`` gives the count."""
-    config = settled_config(weights, config)
+    (``settled_config``); ``runner.batch.max_num_seqs`` gives the count. ``forward_bytes``:
+    ``step_forward_bytes`` of this config, if the caller measured it already."""
+    if forward_bytes is None:
+        forward_bytes = step_forward_bytes(weights, config)
+    config = settled_config(weights, config, forward_bytes=forward_bytes)
     model = weights.config
     scheduler_config, ops, spec = _engine_parts(weights, config)
     kv_dtype = cache_dtype(config.kv_cache_dtype, weights.dtype)
-    plan = _plan(weights, config, scheduler_config, spec, ops)
+    plan = _plan(weights, config, scheduler_config, spec, forward_bytes)
     kv = allocate_kv_cache(
         model,
         num_full_blocks=plan.num_full_blocks,
@@ -89,14 +92,28 @@ def build_engine(
     return make_core, runner, plan
 
 
-def settled_config(weights: ModelWeights, config: EngineConfig) -> EngineConfig:
+def settled_config(
+    weights: ModelWeights, config: EngineConfig, *, forward_bytes: int | None = None
+) -> EngineConfig:
     """``config`` with its seat count settled (engine/seats.py): measured on the GPU, or the
-    fixed MIN_SEATS where the cache is not sized from the device."""
-    if weights.device.type != "cuda" or config.kv_cache_tokens is not None:
+    fixed MIN_SEATS where the cache is not sized from the device. The step's forward pass is
+    profiled once (``step_forward_bytes``, unless given) for every seat count tried."""
+    if not _sized_on_device(weights, config):
         return seats.unmeasured_seats(config)
-    return seats.fit_seats(
-        config, lambda tried: seqs_that_fit_gpu(weights, tried, tokens_per_seq=seats.SEAT_TOKENS)
-    )
+    measured = [] if forward_bytes is None else [forward_bytes]
+
+    def fits_at(tried: EngineConfig) -> int:
+        if not measured:  # the first count tried: profile the forward pass now
+            measured.append(_forward_bytes(weights, tried))
+        return seqs_that_fit_gpu(weights, tried, tokens_per_seq=seats.SEAT_TOKENS,
+                                 forward_bytes=measured[0])  # fmt: skip
+
+    return seats.fit_seats(config, fits_at)
+
+
+def _sized_on_device(weights: ModelWeights, config: EngineConfig) -> bool:
+    """The KV cache is sized from the device's free memory (not given in tokens)."""
+    return weights.device.type == "cuda" and config.kv_cache_tokens is None
 
 
 def build_async_engine(weights: ModelWeights, model_name: str, config: EngineConfig) -> AsyncEngine:
@@ -132,9 +149,9 @@ def _plan(
     config: EngineConfig,
     scheduler: SchedulerConfig,
     spec: KvCacheSpec,
-    ops: Ops,
+    forward_bytes: int | None,
 ) -> KvCachePlan:
-    if config.kv_cache_tokens is not None or weights.device.type != "cuda":
+    if forward_bytes is None:  # not sized on the device
         tokens = config.kv_cache_tokens or scheduler.max_model_len
         num_sliding = sliding_blocks(spec, scheduler.max_num_seqs,
                                      scheduler.max_num_batched_tokens,
@@ -142,7 +159,7 @@ def _plan(
         return KvCachePlan(cdiv(tokens, BLOCK_SIZE), num_sliding, spec)
     return plan_kv_cache(
         spec,
-        _kv_cache_bytes(weights, config, scheduler, ops),
+        _kv_cache_bytes(weights, config, scheduler, forward_bytes),
         max_num_seqs=scheduler.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         num_spare_sliding_blocks=config.num_spare_sliding_blocks,
@@ -150,11 +167,13 @@ def _plan(
 
 
 def _kv_cache_bytes(
-    weights: ModelWeights, config: EngineConfig, scheduler: SchedulerConfig, ops: Ops
+    weights: ModelWeights, config: EngineConfig, scheduler: SchedulerConfig, forward_bytes: int
 ) -> int:
-    """Device bytes the KV cache may take under the config's cap, after one step's peak."""
-    kv_dtype = cache_dtype(config.kv_cache_dtype, weights.dtype)
-    peak = profile_step_memory(weights, scheduler, ops, kv_dtype)
+    """Device bytes the KV cache may take under the config's cap, after one step's peak: the
+    forward pass's (measured once) and what the config's seats add."""
+    peak = forward_bytes + seat_bytes(weights, scheduler)
+    logger.info("one step of %d tokens at %d seats needs %.2f GiB beyond the weights",
+                scheduler.max_num_batched_tokens, scheduler.max_num_seqs, peak / GIB)  # fmt: skip
     free, total = torch.cuda.mem_get_info(weights.device)
     max_bytes = None if config.max_gpu_memory_gb is None else int(config.max_gpu_memory_gb * 1e9)
     return kv_cache_bytes(
@@ -167,33 +186,40 @@ def _kv_cache_bytes(
     )
 
 
-def seqs_that_fit_gpu(weights: ModelWeights, config: EngineConfig, *, tokens_per_seq: int) -> int:
+def seqs_that_fit_gpu(
+    weights: ModelWeights, config: EngineConfig, *, tokens_per_seq: int, forward_bytes: int
+) -> int:
     """How many sequences of ``tokens_per_seq`` tokens of context each the KV cache could hold
     at once on this GPU under ``config`` (full-attention blocks and sliding windows;
-    ``kv_sizing.seqs_that_fit``), measured as ``build_engine`` sizes the cache. A step's peak
-    is measured at the config's ``max_num_seqs``, so the answer errs low for fewer."""
-    scheduler, ops, spec = _engine_parts(weights, config)
+    ``kv_sizing.seqs_that_fit``), as ``build_engine`` sizes the cache: a step's peak at the
+    config's ``max_num_seqs``, so the answer errs low for fewer."""
+    scheduler, _, spec = _engine_parts(weights, config)
     return seqs_that_fit(
         spec,
-        _kv_cache_bytes(weights, config, scheduler, ops),
+        _kv_cache_bytes(weights, config, scheduler, forward_bytes),
         tokens_per_seq=tokens_per_seq,
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         num_spare_sliding_blocks=config.num_spare_sliding_blocks,
     )
 
 
-def profile_step_memory(
-    weights: ModelWeights, scheduler: SchedulerConfig, ops: Ops, kv_dtype: torch.dtype
-) -> int:
-    """Peak bytes one step of the full token budget allocates beyond what is held now: one
-    dummy prefill over a scratch cache (of ``kv_dtype``) just large enough, then everything is
-    freed."""
+def step_forward_bytes(weights: ModelWeights, config: EngineConfig) -> int | None:
+    """Peak bytes the forward pass of one step of the full token budget allocates beyond what
+    is held now and its input buffers (None where the KV cache is not sized from the device):
+    one dummy prefill over a scratch cache (of the config's KV dtype) just large enough, then
+    everything is freed. It does not depend on the seats, so settling them takes one of these,
+    and the cache's sizing reuses it (bench/RESULTS.md e29)."""
+    if not _sized_on_device(weights, config):
+        return None
+    return _forward_bytes(weights, config)
+
+
+def _forward_bytes(weights: ModelWeights, config: EngineConfig) -> int:
+    scheduler, ops, _ = _engine_parts(weights, config)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, weights.dtype)
     device = weights.device
     num_tokens = scheduler.max_num_batched_tokens
     num_blocks = cdiv(num_tokens, BLOCK_SIZE)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
     scratch = allocate_kv_cache(
         weights.config,
         num_full_blocks=num_blocks,
@@ -201,15 +227,11 @@ def profile_step_memory(
         device=device,
         dtype=kv_dtype,
     )
-    output = _dummy_step([], num_tokens)
-    batch = InputBatch(
-        max_num_tokens=num_tokens,
-        max_num_seqs=scheduler.max_num_seqs,
-        max_model_len=scheduler.max_model_len,
-        num_groups=2,
-        device=device,
-    )
-    inputs = batch.prepare(output)
+    batch = _input_batch(weights, scheduler)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    inputs = batch.prepare(_dummy_step([], num_tokens))
     forward(
         weights,
         scratch,
@@ -220,17 +242,37 @@ def profile_step_memory(
         valid_rows=inputs.valid_rows,
     )
     torch.cuda.synchronize(device)
-    # The peak of the step itself, plus a full decode batch's logits: float32 rows in the
-    # graphs' shared buffer (cuda_graphs.py, allocated after the cache) and a step's own
-    # working copies beside them (an eager step's float32 logits from bf16; a grammar mask's
-    # int32 bits, bools and masked copy: ~9 bytes a logit). 16 bytes a logit: 3.3 GB at 1024
-    # seats of a 201k vocabulary.
-    peak = torch.cuda.max_memory_allocated(device) - before - scratch.num_bytes
-    peak += scheduler.max_num_seqs * weights.config.vocab_size * 4 * 4
+    peak = torch.cuda.max_memory_allocated(device) - before
     del scratch, batch, inputs
     torch.cuda.empty_cache()
-    logger.info("one step of %d tokens needs %.2f GiB beyond the weights", num_tokens, peak / GIB)
+    logger.info("the forward pass of %d tokens needs %.2f GiB", num_tokens, peak / GIB)
     return peak
+
+
+def seat_bytes(weights: ModelWeights, scheduler: SchedulerConfig) -> int:
+    """Device bytes a step needs for ``scheduler.max_num_seqs`` seats: the runner's input
+    buffers (InputBatch: its block tables grow with the seats), allocated here and measured,
+    plus a full decode batch's logits: float32 rows in the graphs' shared buffer
+    (cuda_graphs.py, allocated after the cache) and a step's own working copies beside them
+    (an eager step's float32 logits from bf16; a grammar mask's int32 bits, bools and masked
+    copy: ~9 bytes a logit). 16 bytes a logit: 3.3 GB at 1024 seats of a 201k vocabulary."""
+    device = weights.device
+    before = torch.cuda.memory_allocated(device)
+    batch = _input_batch(weights, scheduler)
+    buffers = torch.cuda.memory_allocated(device) - before
+    del batch
+    torch.cuda.empty_cache()
+    return buffers + scheduler.max_num_seqs * weights.config.vocab_size * 4 * 4
+
+
+def _input_batch(weights: ModelWeights, scheduler: SchedulerConfig) -> InputBatch:
+    return InputBatch(
+        max_num_tokens=scheduler.max_num_batched_tokens,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_model_len=scheduler.max_model_len,
+        num_groups=2,
+        device=weights.device,
+    )
 
 
 # Tokens of the prefill chunk beside the warm-up's decode batches.
