@@ -151,12 +151,14 @@ def _plan(
     spec: KvCacheSpec,
     forward_bytes: int | None,
 ) -> KvCachePlan:
-    if forward_bytes is None:  # not sized on the device
+    if not _sized_on_device(weights, config):
         tokens = config.kv_cache_tokens or scheduler.max_model_len
         num_sliding = sliding_blocks(spec, scheduler.max_num_seqs,
                                      scheduler.max_num_batched_tokens,
                                      config.num_spare_sliding_blocks)  # fmt: skip
         return KvCachePlan(cdiv(tokens, BLOCK_SIZE), num_sliding, spec)
+    if forward_bytes is None:
+        forward_bytes = _forward_bytes(weights, config)
     return plan_kv_cache(
         spec,
         _kv_cache_bytes(weights, config, scheduler, forward_bytes),
