@@ -86,9 +86,10 @@ def test_a_worker_renders_what_this_process_does_with_the_loop_free() -> None:
     finally:
         workers.close()
     assert ids == expected_ids and fitted == expected_render
-    # Here the render holds the GIL for all of `here` (~0.1 s); beside a worker the loop only
-    # waits for the pickles.
-    assert len(ids) > 50_000 and here > 0.04, (len(ids), here)
+    # Here the render holds the GIL for all of `here`: ~0.04 s on a CI core once the encoding is
+    # loaded (0.039 s in one full run, which failed a bound of 0.04), ~0.2 s with its loading.
+    # Beside a worker the loop only waits for the pickles (3-4 ms).
+    assert len(ids) > 50_000 and here > 0.02, (len(ids), here)
     assert longest_gap < here / 2, (longest_gap, here)
 
 
