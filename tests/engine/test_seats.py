@@ -46,15 +46,40 @@ def test_seats_stay_between_the_floor_and_the_request(
     assert seats.settle_seats(lambda _: fit, requested=requested, floor=floor) == expected
 
 
-def test_settling_stops_after_its_rounds() -> None:
+def test_a_swing_between_two_counts_ends_on_the_one_that_fits_beside_its_own_seats() -> None:
+    # An H100 under a test's cap (GPU test_auto_seats_...): 402 fit beside 1024 seats, 412
+    # beside 402, 411 beside 412, 412 beside 411. 412 seats would hold only 411 sequences.
+    fits = {1024: 402, 402: 412, 412: 411, 411: 412}
     calls = []
 
-    def alternating(count: int) -> int:  # never settles
+    def fits_at(count: int) -> int:
+        calls.append(count)
+        return fits[count]
+
+    assert seats.settle_seats(fits_at, requested=1024, floor=64) == 411
+    assert calls == [1024, 402, 412, 411]  # stops at the swing, before ROUNDS runs out
+
+    def alternating(count: int) -> int:
         calls.append(count)
         return 100 if count != 100 else 200
 
-    seats.settle_seats(alternating, requested=1024, floor=64)
+    calls.clear()
+    assert seats.settle_seats(alternating, requested=1024, floor=64) == 100
+    assert calls == [1024, 100, 200]
+
+
+def test_settling_stops_after_its_rounds_on_a_count_that_fits() -> None:
+    calls = []
+
+    def sliding(count: int) -> int:  # never settles: one fewer than the seats, every time
+        calls.append(count)
+        return count - 1
+
+    assert seats.settle_seats(sliding, requested=1024, floor=64) == 1024 - seats.ROUNDS
     assert len(calls) == seats.ROUNDS
+    # The largest count measured that fits beside its own seats (300 and 305 do; 310 does not).
+    fits = {1024: 300, 300: 310, 310: 305, 305: 309}
+    assert seats.settle_seats(fits.__getitem__, requested=1024, floor=64) == 305
 
 
 def test_fit_seats_measures_configs_of_the_tried_count_and_settles_the_flag(

@@ -32,14 +32,21 @@ ROUNDS = 4  # measurements at most (an FP8 cache on an H100: 63 fit at 1024 seat
 def settle_seats(fits_at: Callable[[int], int], *, requested: int, floor: int) -> int:
     """The seats to run with: ``fits_at(seats)`` (the sequences that fit when the step is
     sized for ``seats``) clamped to [floor, requested], measured again at each new count until
-    it no longer moves or ``ROUNDS`` measurements are spent."""
+    it no longer moves. A count can swing between two (on an H100, a test's cap: 412 fit
+    beside 411 seats, 411 beside 412); then, or once ``ROUNDS`` measurements are spent, the
+    answer is the largest count measured that fits beside its own seats (else the smallest
+    count any measurement gave), never one whose own measurement refused it."""
+    given: dict[int, int] = {}  # seats the step was sized for -> the clamped count that fit
     seats = requested
     for _ in range(ROUNDS):
-        lowered = min(requested, max(fits_at(seats), floor))
-        if lowered == seats:
+        given[seats] = min(requested, max(fits_at(seats), floor))
+        if given[seats] == seats:
+            return seats
+        seats = given[seats]
+        if seats in given:  # a swing between counts already measured
             break
-        seats = lowered
-    return seats
+    held = [count for count, fit in given.items() if fit >= count]
+    return max(held) if held else min(given.values())
 
 
 def with_seats(config: EngineConfig, seats: int) -> EngineConfig:
