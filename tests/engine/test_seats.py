@@ -68,7 +68,9 @@ def test_a_swing_between_two_counts_ends_on_the_one_that_fits_beside_its_own_sea
     assert calls == [1024, 100, 200]
 
 
-def test_settling_stops_after_its_rounds_on_a_count_that_fits() -> None:
+def test_settling_stops_after_its_rounds_on_a_count_that_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls = []
 
     def sliding(count: int) -> int:  # never settles: one fewer than the seats, every time
@@ -78,6 +80,7 @@ def test_settling_stops_after_its_rounds_on_a_count_that_fits() -> None:
     assert seats.settle_seats(sliding, requested=1024, floor=64) == 1024 - seats.ROUNDS
     assert len(calls) == seats.ROUNDS
     # The largest count measured that fits beside its own seats (300 and 305 do; 310 does not).
+    monkeypatch.setattr(seats, "ROUNDS", 4)
     fits = {1024: 300, 300: 310, 310: 305, 305: 309}
     assert seats.settle_seats(fits.__getitem__, requested=1024, floor=64) == 305
 

@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 SEAT_TOKENS = 2048  # tokens of context a seat is sized for (1k in / 1k out)
 MIN_SEATS = 64  # never fewer: the fixed default before, and the bench's largest decode batch
 MAX_SEATS = 1024  # vLLM's max_num_seqs on GPUs of 70 GB or more; cuda_graphs' largest size
-ROUNDS = 4  # measurements at most (an FP8 cache on an H100: 63 fit at 1024 seats, 171 at 64)
+# Measurements at most (an FP8 cache on an H100: 96 fit at 1024 seats, 174 at 96, 168 at 174, 168
+# at 168). Each is the seats' own bytes beside one forward profile (startup.py): ~0.05 s.
+ROUNDS = 8
 
 
 def settle_seats(fits_at: Callable[[int], int], *, requested: int, floor: int) -> int:
