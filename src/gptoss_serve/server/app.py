@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gptoss_serve import __version__
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
+from gptoss_serve.gc_heap import frozen_startup_heap
 from gptoss_serve.server import constraints
 from gptoss_serve.server.background import BackgroundRuns
 from gptoss_serve.server.body_limit import BodyLimit
@@ -51,7 +52,8 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(constraints.warm_up, config)  # not in the first request
-        yield
+        with frozen_startup_heap():  # full collections skip what start-up built (gc_heap.py)
+            yield
         await _shut_down(runs, engine, renderers, store)
 
     metrics = ServerMetrics(engine.stats)
