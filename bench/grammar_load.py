@@ -2,7 +2,8 @@
 the grammar every API request carries (its reasoning budget), on the engine `serve` builds.
 
     cd bench && python3 grammar_load.py [--kv-cache-dtype fp8] [--concurrency 160]
-        [--requests 320] [--variants none grammar] [--out results/grammar_load.json]
+        [--requests 320] [--variants none grammar [none-frozen grammar-frozen]]
+        [--out results/grammar_load.json]
 
 Keeps ``--concurrency`` requests running (1000-token prompts, 256 output tokens, temperature 1,
 a new request as each one ends, as `gptoss-serve bench-serve` does over HTTP) and prints per
@@ -10,12 +11,14 @@ variant the output tok/s, the step's mean and median wall time, and the host's m
 a step in the engine core's phases (schedule, the forward pass's preparation and launch, the
 grammars' masks and advance, reading the tokens back: what the device did not hide). Where
 "grammar" is much slower than "none", the masks sit on the step's critical path
-(bench/RESULTS.md e25).
+(bench/RESULTS.md e25). A "-frozen" variant runs with the start-up heap frozen out of the
+garbage collector, as the server does (bench/RESULTS.md s6).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -34,6 +37,7 @@ from gptoss_serve.engine.allocator import configure_allocator
 from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.synthetic_weights import synthetic_model_config, synthetic_weights
+from gptoss_serve.gc_heap import frozen_startup_heap
 from gptoss_serve.harmony import adapter
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 1000, 256
@@ -111,7 +115,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=160)
     parser.add_argument("--requests", type=int, default=320)
     parser.add_argument("--variants", nargs="+", default=["none", "grammar"],
-                        choices=("none", "grammar"))  # fmt: skip
+                        choices=("none", "grammar", "none-frozen", "grammar-frozen"))  # fmt: skip
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results/grammar_load.json")  # fmt: skip
     args = parser.parse_args()
@@ -124,12 +128,17 @@ def main() -> None:
     grammar = build_grammar(ConstraintSpec(reasoning_budget=REASONING_BUDGET))
     rows = {}
     for variant in args.variants:
+        kind, _, frozen = variant.partition("-")
         core = make_core()
+        # "-frozen": the start-up heap frozen out of the collector, as the server's lifespan
+        # does (gc_heap.py), for this variant only
+        heap = frozen_startup_heap() if frozen else contextlib.nullcontext()
         try:
-            rows[variant] = run_variant(
-                core, grammar=grammar if variant == "grammar" else None,
-                concurrency=args.concurrency, total=args.requests,
-            )  # fmt: skip
+            with heap:
+                rows[variant] = run_variant(
+                    core, grammar=grammar if kind == "grammar" else None,
+                    concurrency=args.concurrency, total=args.requests,
+                )  # fmt: skip
         finally:
             core.close()
         print(variant, json.dumps(rows[variant]), flush=True)  # noqa: T201
