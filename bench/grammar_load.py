@@ -2,7 +2,7 @@
 the grammar every API request carries (its reasoning budget), on the engine `serve` builds.
 
     cd bench && python3 grammar_load.py [--kv-cache-dtype fp8] [--concurrency 160]
-        [--requests 320] [--variants none grammar [none-frozen grammar-frozen]]
+        [--requests 320] [--variants none grammar [none-frozen grammar-frozen] [grammar ...]]
         [--out results/grammar_load.json]
 
 Keeps ``--concurrency`` requests running (1000-token prompts, 256 output tokens, temperature 1,
@@ -12,7 +12,8 @@ a step in the engine core's phases (schedule, the forward pass's preparation and
 grammars' masks and advance, reading the tokens back: what the device did not hide). Where
 "grammar" is much slower than "none", the masks sit on the step's critical path
 (bench/RESULTS.md e25). A "-frozen" variant runs with the start-up heap frozen out of the
-garbage collector, as the server does (bench/RESULTS.md s6).
+garbage collector, as the server does (bench/RESULTS.md s6); a variant may be named again
+(alternating A/B runs), each run kept under its own key.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import logging
 import statistics
@@ -68,6 +70,20 @@ def run_variant(core: EngineCore, *, grammar: str | None, concurrency: int, tota
         _timed(core._grammars, "advance", totals, "advance"),
         _timed(core, "_complete", totals, "read back + update"),
     ]
+    collections: list[float] = []  # the oldest generation's passes, their wall times
+    pass_started = 0.0
+
+    def on_gc(phase: str, info: dict) -> None:
+        nonlocal pass_started
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            pass_started = time.perf_counter()
+        else:
+            collections.append(time.perf_counter() - pass_started)
+
+    gc.callbacks.append(on_gc)
+    undo.append(lambda: gc.callbacks.remove(on_gc))
     stops = adapter.assistant_stop_token_ids() if grammar else ()
     added = 0
 
@@ -104,6 +120,11 @@ def run_variant(core: EngineCore, *, grammar: str | None, concurrency: int, tota
         "steps": len(steps),
         "step_ms_mean": round(1e3 * wall / len(steps), 2),
         "step_ms_p50": round(1e3 * statistics.median(steps), 2),
+        "step_ms_p99": round(1e3 * statistics.quantiles(steps, n=100)[98], 2),
+        "step_ms_max": round(1e3 * max(steps), 2),
+        "steps_over_60ms": sum(step > 0.06 for step in steps),
+        "full_collections": len(collections),
+        "full_collections_ms": round(1e3 * sum(collections), 1),
         "host_ms_per_step": {k: round(1e3 * v / len(steps), 2) for k, v in totals.items()},
     }
 
@@ -127,21 +148,23 @@ def main() -> None:
     make_core, runner, _ = build_engine(weights, config)
     grammar = build_grammar(ConstraintSpec(reasoning_budget=REASONING_BUDGET))
     rows = {}
-    for variant in args.variants:
+    for number, variant in enumerate(args.variants):
         kind, _, frozen = variant.partition("-")
+        # a variant named again (alternating A/B runs) is kept under its own key
+        key = variant if variant not in rows else f"{variant}#{number}"
         core = make_core()
         # "-frozen": the start-up heap frozen out of the collector, as the server's lifespan
         # does (gc_heap.py), for this variant only
         heap = frozen_startup_heap() if frozen else contextlib.nullcontext()
         try:
             with heap:
-                rows[variant] = run_variant(
+                rows[key] = run_variant(
                     core, grammar=grammar if kind == "grammar" else None,
                     concurrency=args.concurrency, total=args.requests,
                 )  # fmt: skip
         finally:
             core.close()
-        print(variant, json.dumps(rows[variant]), flush=True)  # noqa: T201
+        print(key, json.dumps(rows[key]), flush=True)  # noqa: T201
     results = {
         "device": torch.cuda.get_device_name(), "commit": report.git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
