@@ -8,7 +8,8 @@ of the table's tiles.
     python bench/step_tiles.py --target dense --batch 8 --variants gemv_max_tokens=4 ...
 
 A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
-fields of the table row that serves ``--batch`` tokens (ints, ``None``, ``True``/``False``);
+fields of the table row that serves ``--batch`` tokens on this card (``decode_tiles_for``; ints,
+``None``, ``True``/``False``);
 with ``--target attention``, of the ``_attention_decode.GPU_TILES`` row serving the batch;
 with ``--target dense``, ``gemv_max_tokens`` replaces ``linear.GEMV_MAX_TOKENS`` (the largest
 batch whose projections take the Triton GEMV rather than cuBLAS).
@@ -67,16 +68,25 @@ def apply(target: str, batch: int, fields: dict) -> None:
         if fields:
             raise ValueError(f"dense variants take gemv_max_tokens only, got {fields}")
     else:
-        small.DECODE_TILES = with_row(DEFAULTS["moe"], batch, fields)
+        # the row this card serves ``batch`` tokens with (_moe_small.PER_PAIR_MAX_TOKENS_BY_CARD),
+        # as the table's own row for ``batch``
+        row = small.decode_tiles_for(batch, torch.device("cuda"))
+        index = next(i for i, (n, _) in enumerate(DEFAULTS["moe"]) if batch <= n)
+        table = list(DEFAULTS["moe"])
+        table.insert(index, (batch, row))
+        small.PER_PAIR_MAX_TOKENS_BY_CARD = ()
+        small.DECODE_TILES = with_row(tuple(table), batch, fields)
 
 
 def restore() -> None:
     attention.GPU_TILES, small.DECODE_TILES = DEFAULTS["attention"], DEFAULTS["moe"]
+    small.PER_PAIR_MAX_TOKENS_BY_CARD = DEFAULTS["per_pair"]
     linear.GEMV_MAX_TOKENS = DEFAULTS["dense"]
 
 
 DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
-            "dense": linear.GEMV_MAX_TOKENS}  # fmt: skip
+            "dense": linear.GEMV_MAX_TOKENS,
+            "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD}  # fmt: skip
 
 
 def time_step(step: DecodeStep) -> tuple[float, torch.Tensor]:
@@ -111,9 +121,11 @@ def main() -> int:
         rows.append({"variant": text, "ms": round(ms, 4), "table_ms": table_ms,
                      "logits_equal": bool(torch.equal(logits, base_logits))})  # fmt: skip
         base_ms = again_ms
-    table_row = {"attention": attention.gpu_tiles_for(args.batch),
-                 "dense": f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS}"}.get(
-                     args.target, small.decode_tiles_for(args.batch))  # fmt: skip
+    moe_row = small.decode_tiles_for(args.batch, torch.device("cuda"))
+    dense_row = f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS}"
+    table_row = {"attention": attention.gpu_tiles_for(args.batch), "dense": dense_row}.get(
+        args.target, moe_row
+    )
     write_results(args.out, batch=args.batch, context=args.context, target=args.target,
                   table_row=str(table_row), rows=rows)  # fmt: skip
     sys.stdout.write(f"\nwhole step, batch {args.batch}, context {args.context} (ms)\n")

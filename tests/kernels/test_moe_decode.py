@@ -648,3 +648,29 @@ def test_wgmma_columns_compile_for_sm90(num_tokens: int, extra: int) -> None:
     for ptx in columns_ptx(tiles):
         assert "wgmma.mma_async" in ptx and "cp.async" in ptx and "mul.rn.bf16x2" in ptx
         assert "shfl" not in ptx and ".local" not in ptx
+
+
+def test_the_per_pair_rows_serve_up_to_the_cards_count(monkeypatch) -> None:
+    """5-8 tokens take the grouped columns (the table) except on a card of
+    PER_PAIR_MAX_TOKENS_BY_CARD (the H100: the per-pair GEMVs up to 8 tokens); no device, or
+    one that is not CUDA, gets the table as it is."""
+    pytest.importorskip("triton")
+    from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
+
+    per_pair_row = next(t for n, t in _moe_small.DECODE_TILES if n == 4)
+    cuda = torch.device("cuda", 0)
+    try:
+        for name, grouped_from in (("NVIDIA H100 80GB HBM3", 9), ("NVIDIA H200", 5)):
+            monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None, n=name: n)
+            _moe_small._card_name.cache_clear()
+            for num_tokens in range(1, 20):
+                tiles = _moe_small.decode_tiles_for(num_tokens, cuda)
+                assert tiles.group_columns == (num_tokens >= grouped_from), (name, num_tokens)
+                if 3 <= num_tokens < grouped_from:
+                    assert tiles == per_pair_row
+                if num_tokens <= 4 or num_tokens >= 9:  # the cards differ only at 5-8
+                    assert tiles == _moe_small.decode_tiles_for(num_tokens)
+    finally:
+        _moe_small._card_name.cache_clear()
+    for num_tokens in (5, 8):
+        assert _moe_small.decode_tiles_for(num_tokens, torch.device("cpu")).group_columns

@@ -7,7 +7,8 @@
    ~1,000 of a gate_up thread's ~6,000 instructions at T = 1).
 2. ``_gate_up_kernel``: one program per (pair p = (token, slot), BN-row tile of the 2I gate/up
    rows). It takes its expert from the routing or from the token's top-k, recomputed from the
-   logits (at 1-8 tokens, by each warp on its own copy: reductions without barriers), streams
+   logits (at 1 and 3-4 tokens, 5-8 on an H100, by each warp on its own copy: reductions
+   without barriers), streams
    the expert's rows through the MXFP4 GEMV and applies bias and the clamped SwiGLU; h [P, I]
    bf16 is stored in thread order for the down GEMV. The tile-0 programs write the pair's
    expert id and routing weight.

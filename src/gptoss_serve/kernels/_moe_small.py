@@ -1,7 +1,7 @@
 """Host side of the GEMV-shaped MXFP4 MoE, the "decode path" (T ≤ DECODE_MAX_TOKENS, which now
 reaches prefill chunks too): tiles, buffers, launches.
 
-Up to 8 tokens (per-pair GEMVs, 3 launches):
+Up to 4 tokens, on an H100 up to 8 (per-pair GEMVs, 3 launches; PER_PAIR_MAX_TOKENS_BY_CARD):
 
     _router_kernel   logits [T, E] fp32, x in thread order, and     (E / router_experts programs)
                      in its last program the top-k routing
@@ -12,7 +12,8 @@ No device-to-host sync (CUDA-graph capturable) and bitwise repeatable: the one a
 router's ticket, and the routing does not depend on which program draws the last one. Each
 (token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
 reads those rows more than once from L2 (not from HBM: the programs of one row tile run
-together, pairs fastest). From 9 tokens the pairs are grouped by expert (_moe_columns.py,
+together, pairs fastest). From 5 tokens (9 on an H100) the pairs are grouped by expert
+(_moe_columns.py,
 ``launch_columns``: 5 launches, 6 from 17 tokens with the K-split router; past 4096 pairs the
 grouping is
 the prefill one's count / block table / scatter, whose atomics may deal an expert's pairs to
@@ -24,6 +25,7 @@ See _moe_gemv.py for the tile layout and the decode, _moe_decode.py for the kern
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -214,11 +216,11 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
                     down_stages=3, route_in_router=False, warp_topk=True)),
     (2, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
                     down_stages=3, route_in_router=False)),
-    # ... and, since v16, 5-8 tokens too (the grouped columns before, from v14 to v15: batch 5 /
-    # 6 / 8 6.589 / 6.973 / 8.252 -> 6.200 / 6.809 / 8.142 ms, H100).
-    (8, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_rows=16,
+    # 3-4 tokens; on an H100 5-8 tokens too (PER_PAIR_MAX_TOKENS_BY_CARD).
+    (4, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_rows=16,
                     down_warps=4, down_stages=3, route_in_router=False, warp_topk=True)),
-    # From 9 tokens the pairs grouped by expert (_moe_columns.py). From 17 tokens since v5: gate_up
+    # From 5 tokens (9 on an H100) the pairs grouped by expert (_moe_columns.py). From 17 tokens
+    # since v5: gate_up
     # + down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us (H200). From 5 since v14, once
     # a group's unused MMA columns were no longer read: the whole 120b step (bench/step_tiles.py,
     # H200) at batch 2 / 4 / 6 / 8 / 16 3.404 / 4.907 / 6.256 / 7.304 / 12.43 ms on the per-pair
@@ -282,7 +284,39 @@ def routes_in_router(tiles: DecodeTiles) -> bool:
     return tiles.route_in_router
 
 
-def decode_tiles_for(num_tokens: int) -> DecodeTiles:
+# Cards whose 5-8-token steps run faster on the per-pair GEMVs than on the grouped columns (a
+# substring of the device name, the largest token count the per-pair rows then serve); other
+# cards take the table as it is. The whole 120b decode step (bench/step_tiles.py, PDL, CUDA
+# graph), per-pair rows against the grouped columns' row of 9-128 tokens, ms:
+#   H100 (v16, c6745b3): batch 5 / 6 / 8  6.589 / 6.973 / 8.252 grouped -> 6.200 / 6.809 / 8.142
+#   H200 (e30): batch 5 / 6 / 8  5.004-5.027 / 5.631-5.660 / 6.790-6.807 per-pair -> 4.810-4.812
+#   / 5.111-5.112 / 6.040 grouped
+# The H200 has ~1.4x the H100's memory bandwidth and the same SMs: there the per-pair GEMVs'
+# extra instructions (each pair decodes its expert's rows again) cost more than the bytes the
+# grouping saves them.
+PER_PAIR_MAX_TOKENS_BY_CARD: tuple[tuple[str, int], ...] = (("H100", 8),)
+
+
+@functools.cache
+def _card_name(device_index: int | None) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def per_pair_max_tokens(device: torch.device | None) -> int:
+    """The largest token count ``device``'s card keeps on the per-pair rows past the table's
+    own (0: none; so for no device and for one that is not CUDA)."""
+    if device is None or device.type != "cuda":
+        return 0
+    name = _card_name(device.index)
+    return next((n for card, n in PER_PAIR_MAX_TOKENS_BY_CARD if card in name), 0)
+
+
+def decode_tiles_for(num_tokens: int, device: torch.device | None = None) -> DecodeTiles:
+    """The DECODE_TILES row serving ``num_tokens`` tokens, on ``device``'s card (None: the table
+    as it is): up to the card's PER_PAIR_MAX_TOKENS_BY_CARD count the last per-pair row."""
+    if num_tokens <= per_pair_max_tokens(device):
+        per_pair = [(n, t) for n, t in DECODE_TILES if not t.group_columns]
+        return next((t for n, t in per_pair if num_tokens <= n), per_pair[-1][1])
     return next((t for n, t in DECODE_TILES if num_tokens <= n), DECODE_TILES[-1][1])
 
 
@@ -335,13 +369,13 @@ def mxfp4_moe_decode(
     ``poison`` fills the scratch buffers with NaN. ``valid_rows`` (int32 [1] on x's device,
     read by the kernels; None: all rows): the rows from ``valid_rows[0]`` on are padding, their
     pairs left out of the groups and their output rows zero. Only the grouped columns
-    (``tiles.group_columns``: from 9 tokens in the table) read it; the per-pair GEMVs (1-8
-    tokens) ignore it, so that the batch-1 kernels, bound by their latency, take no load
-    before their main loop for it: the engine's graphs are captured at every size up to 8,
-    so its padded steps have 9 rows or more (engine/cuda_graphs.py)."""
+    (``tiles.group_columns``: from 5 tokens in the table) read it; the per-pair GEMVs (1-4
+    tokens, 1-8 on an H100) ignore it, so that the batch-1 kernels, bound by their latency,
+    take no load before their main loop for it: the engine's graphs are captured at every
+    size up to 8, so its padded steps have 9 rows or more (engine/cuda_graphs.py)."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the Triton MoE takes bf16 activations, got {x.dtype}")
-    tiles = tiles or decode_tiles_for(x.shape[0])
+    tiles = tiles or decode_tiles_for(x.shape[0], x.device)
     x = x.contiguous()
     num_tokens, hidden = x.shape
     device = x.device

@@ -137,14 +137,15 @@ def mxfp4_moe_triton(
     programmatic dependent launches (GPU only; the grouped path ignores it). ``valid_rows``
     (int32 [1] on x's device; None: all rows): rows from ``valid_rows[0]`` on are padding,
     left out of the grouping, their output zeros (read on the device by the grouping and sum
-    kernels; the decode path's per-pair GEMVs, 1-8 tokens, ignore it: _moe_small.py).
+    kernels; the decode path's per-pair GEMVs, 1-4 tokens (1-8 on an H100), ignore it:
+    _moe_small.py).
     """
     if x.shape[0] == 0:
         return x.new_empty(x.shape)
     if tiles is None and _use_decode_path(x.shape[0], weights):
         if pdl:
             decode_tiles = dataclasses.replace(
-                decode_tiles or decode_tiles_for(x.shape[0]), pdl=True
+                decode_tiles or decode_tiles_for(x.shape[0], x.device), pdl=True
             )
         return mxfp4_moe_decode(
             x, weights, top_k=top_k, alpha=alpha, limit=limit, tiles=decode_tiles, out=out,

@@ -9,11 +9,11 @@ expert MLP in plain torch.
 On CUDA it runs the Triton kernels; elsewhere the plain-torch reference at the bottom of this
 module. Two Triton paths (_moe_triton.py picks by T):
 
-- decode, T ≤ 8192 (_moe_small.py): up to 8 tokens router logits, a gate_up GEMV per
-  (token, slot) pair that takes its expert from the top-k and a down GEMV per token that sums
-  its k experts in-program (three launches); from 9 tokens the pairs grouped by expert, each
-  group's pairs the MMAs' columns (_moe_columns.py). The MXFP4 is decoded straight into the
-  MMA's registers (_moe_gemv.py).
+- decode, T ≤ 8192 (_moe_small.py): up to 4 tokens (8 on an H100) router logits, a gate_up
+  GEMV per (token, slot) pair that takes its expert from the top-k and a down GEMV per token
+  that sums its k experts in-program (three launches); from 5 (9) tokens the pairs grouped by
+  expert, each group's pairs the MMAs' columns (_moe_columns.py). The MXFP4 is decoded
+  straight into the MMA's registers (_moe_gemv.py).
 - grouped GEMMs, larger T (or forced by tiles): routing, grouping of the T·k (token, slot)
   pairs by expert, two grouped GEMMs that dequantize MXFP4 in registers, an ordered top-k
   sum.
@@ -233,8 +233,8 @@ def mxfp4_moe(
     ``valid_rows[0]`` on are padding (a CUDA graph's rows past the step's real ones): their
     output rows are zeros and they cost no expert weights. The kernels read the count on the
     device (no host sync: a captured graph sees each replay's value). One exception, for the
-    latency of the batch-1 kernels: the per-pair decode GEMVs (1-8 tokens) do not read it and
-    compute every row (the engine never pads a step of fewer than 9 rows).
+    latency of the batch-1 kernels: the per-pair decode GEMVs (1-4 tokens, 1-8 on an H100) do
+    not read it and compute every row (the engine never pads a step of fewer than 9 rows).
     """
     if x.is_cuda and x.dtype == torch.bfloat16:
         from gptoss_serve.kernels._moe_triton import mxfp4_moe_triton  # noqa: PLC0415 (needs triton)
