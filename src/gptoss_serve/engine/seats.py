@@ -1,6 +1,6 @@
 """How many requests may run at once on this GPU (``--max-num-seqs auto``, the default).
 
-A fixed seat count is wrong on every card but one: 64 seats leave an H200 (which holds 727
+A fixed seat count is wrong on every card but one: 64 seats leave an H200 (which holds ~775
 sequences of 2k tokens beside 120b's weights) a tenth full, while 1024 seats on an 80 GB card
 reserve their sliding windows and logits (~8 MB a seat of 120b) out of a cache that holds ~84
 such sequences. So the seats are the sequences of ``SEAT_TOKENS`` tokens of context the KV
