@@ -12,7 +12,8 @@ fields of the table row that serves ``--batch`` tokens on this card (``decode_ti
 ``None``, ``True``/``False``);
 with ``--target attention``, of the ``_attention_decode.GPU_TILES`` row serving the batch;
 with ``--target dense``, ``gemv_max_tokens`` replaces ``linear.GEMV_MAX_TOKENS`` (the largest
-batch whose projections take the Triton GEMV rather than cuBLAS).
+batch whose projections take the Triton GEMV) and ``mma_max_tokens`` ``linear.MMA_MAX_TOKENS``
+(the largest that takes the Triton tensor-core kernel rather than cuBLAS).
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
@@ -64,9 +65,10 @@ def apply(target: str, batch: int, fields: dict) -> None:
     if target == "attention":
         attention.GPU_TILES = with_row(DEFAULTS["attention"], batch, fields)
     elif target == "dense":
-        linear.GEMV_MAX_TOKENS = fields.pop("gemv_max_tokens")
+        linear.GEMV_MAX_TOKENS = fields.pop("gemv_max_tokens", DEFAULTS["dense"])
+        linear.MMA_MAX_TOKENS = fields.pop("mma_max_tokens", DEFAULTS["mma"])
         if fields:
-            raise ValueError(f"dense variants take gemv_max_tokens only, got {fields}")
+            raise ValueError(f"dense variants take gemv_max_tokens, mma_max_tokens; got {fields}")
     else:
         # the row this card serves ``batch`` tokens with (_moe_small.PER_PAIR_MAX_TOKENS_BY_CARD),
         # as the table's own row for ``batch``
@@ -81,11 +83,11 @@ def apply(target: str, batch: int, fields: dict) -> None:
 def restore() -> None:
     attention.GPU_TILES, small.DECODE_TILES = DEFAULTS["attention"], DEFAULTS["moe"]
     small.PER_PAIR_MAX_TOKENS_BY_CARD = DEFAULTS["per_pair"]
-    linear.GEMV_MAX_TOKENS = DEFAULTS["dense"]
+    linear.GEMV_MAX_TOKENS, linear.MMA_MAX_TOKENS = DEFAULTS["dense"], DEFAULTS["mma"]
 
 
 DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
-            "dense": linear.GEMV_MAX_TOKENS,
+            "dense": linear.GEMV_MAX_TOKENS, "mma": linear.MMA_MAX_TOKENS,
             "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD}  # fmt: skip
 
 
@@ -122,7 +124,7 @@ def main() -> int:
                      "logits_equal": bool(torch.equal(logits, base_logits))})  # fmt: skip
         base_ms = again_ms
     moe_row = small.decode_tiles_for(args.batch, torch.device("cuda"))
-    dense_row = f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS}"
+    dense_row = f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS},MMA_MAX_TOKENS={linear.MMA_MAX_TOKENS}"
     table_row = {"attention": attention.gpu_tiles_for(args.batch), "dense": dense_row}.get(
         args.target, moe_row
     )
