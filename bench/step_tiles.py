@@ -71,13 +71,13 @@ def apply(target: str, batch: int, fields: dict) -> None:
             raise ValueError(f"dense variants take gemv_max_tokens, mma_max_tokens; got {fields}")
     else:
         # the row this card serves ``batch`` tokens with (_moe_small.PER_PAIR_MAX_TOKENS_BY_CARD),
-        # as the table's own row for ``batch``
-        row = small.decode_tiles_for(batch, torch.device("cuda"))
+        # varied, as a row of its own for ``batch`` ahead of the table's, the card's rule off
+        row = dataclasses.replace(small.decode_tiles_for(batch, torch.device("cuda")), **fields)
         index = next(i for i, (n, _) in enumerate(DEFAULTS["moe"]) if batch <= n)
         table = list(DEFAULTS["moe"])
         table.insert(index, (batch, row))
         small.PER_PAIR_MAX_TOKENS_BY_CARD = ()
-        small.DECODE_TILES = with_row(tuple(table), batch, fields)
+        small.DECODE_TILES = tuple(table)
 
 
 def restore() -> None:

@@ -6,12 +6,11 @@
    GEMV programs then load 4 ids instead of each running a top-4 over 128 logits, which was
    ~1,000 of a gate_up thread's ~6,000 instructions at T = 1).
 2. ``_gate_up_kernel``: one program per (pair p = (token, slot), BN-row tile of the 2I gate/up
-   rows). It takes its expert from the routing or from the token's top-k, recomputed from the
-   logits (at 1 and 3-4 tokens, 5-8 on an H100, by each warp on its own copy: reductions
-   without barriers), streams
-   the expert's rows through the MXFP4 GEMV and applies bias and the clamped SwiGLU; h [P, I]
-   bf16 is stored in thread order for the down GEMV. The tile-0 programs write the pair's
-   expert id and routing weight.
+   rows). It takes its expert from the routing or from the token's top-k, recomputed from the logits
+   (at 1 and 3-4 tokens, 5-8 on an H100, by each warp on its own copy: reductions without barriers),
+   streams the expert's rows through the MXFP4 GEMV and applies bias and the clamped SwiGLU; h [P,
+   I] bf16 is stored in thread order for the down GEMV. The tile-0 programs write the pair's expert
+   id and routing weight.
 3. ``_down_kernel``: one program per (token, BR-row tile of H). Its GEMV tile stacks the BR rows
    of each of the token's k experts (k·BR rows), the k activation columns are the pairs' h, and
    row (e, r) keeps column e; bias, routing weight and the sum over the k experts (a fixed

@@ -9,15 +9,13 @@ Up to 4 tokens, on an H100 up to 8 (per-pair GEMVs, 3 launches; PER_PAIR_MAX_TOK
     _down_kernel     out [T, H] = Σ_k w · (h @ Wd^T + bd), in-program (T x H / down_rows)
 
 No device-to-host sync (CUDA-graph capturable) and bitwise repeatable: the one atomic is the
-router's ticket, and the routing does not depend on which program draws the last one. Each
-(token, slot) pair streams its own expert's rows, so a token count whose pairs share experts
-reads those rows more than once from L2 (not from HBM: the programs of one row tile run
-together, pairs fastest). From 5 tokens (9 on an H100) the pairs are grouped by expert
-(_moe_columns.py,
+router's ticket, and the routing does not depend on which program draws the last one. Each (token,
+slot) pair streams its own expert's rows, so a token count whose pairs share experts reads those
+rows more than once from L2 (not from HBM: the programs of one row tile run together, pairs
+fastest). From 5 tokens (9 on an H100) the pairs are grouped by expert (_moe_columns.py,
 ``launch_columns``: 5 launches, 6 from 17 tokens with the K-split router; past 4096 pairs the
-grouping is
-the prefill one's count / block table / scatter, whose atomics may deal an expert's pairs to
-its groups in another order, which changes no value: each pair is its own MMA column); past
+grouping is the prefill one's count / block table / scatter, whose atomics may deal an expert's
+pairs to its groups in another order, which changes no value: each pair is its own MMA column); past
 DECODE_MAX_TOKENS the grouped GEMMs of _moe_triton.py take over.
 See _moe_gemv.py for the tile layout and the decode, _moe_decode.py for the kernels.
 """
@@ -220,20 +218,19 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (4, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_rows=16,
                     down_warps=4, down_stages=3, route_in_router=False, warp_topk=True)),
     # From 5 tokens (9 on an H100) the pairs grouped by expert (_moe_columns.py). From 17 tokens
-    # since v5: gate_up
-    # + down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us (H200). From 5 since v14, once
-    # a group's unused MMA columns were no longer read: the whole 120b step (bench/step_tiles.py,
-    # H200) at batch 2 / 4 / 6 / 8 / 16 3.404 / 4.907 / 6.256 / 7.304 / 12.43 ms on the per-pair
-    # rows (T = 8 had its own: gate_up unrolled 2 on 2 stages) against 3.748 / 4.855 / 5.965 / 6.945
-    # / 10.502 grouped. 64-row tiles for both (2 warps, 4 stages), from moe_profile.py's columns
-    # sweep: the whole MoE at 24 / 32 / 64 tokens 455 / 530 / 745 -> ~415 / 470 / 651 us against
-    # 32-row tiles. Up to 128 tokens (large decode batches) groups of 8 on mma.sync; since v7b with
-    # the activations in tile order and the scales as words (H200, moe_prefill_columns.py --small,
-    # us per layer): 24 / 32 / 48 / 64 / 96 / 128 tokens 372 / 435 / 522 / 560 / 632 / 660 -> 353 /
-    # 425 / 502 / 548 / 606 / 627 (2-5%; the words alone, in thread order, lose 2-9%). Since v14 in
-    # the wgmma tile order on mma.sync (kWidth 2: _moe_gemv._weight_tile), once the unused MMA
-    # columns were no longer read: 32 / 64 tokens +1-2% (kernels.py, alternating; before that change
-    # it moved nothing, v13).
+    # since v5: gate_up + down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us (H200). From
+    # 5 since v14, once a group's unused MMA columns were no longer read: the whole 120b step
+    # (bench/step_tiles.py, H200) at batch 2 / 4 / 6 / 8 / 16 3.404 / 4.907 / 6.256 / 7.304 / 12.43
+    # ms on the per-pair rows (T = 8 had its own: gate_up unrolled 2 on 2 stages) against 3.748 /
+    # 4.855 / 5.965 / 6.945 / 10.502 grouped. 64-row tiles for both (2 warps, 4 stages), from
+    # moe_profile.py's columns sweep: the whole MoE at 24 / 32 / 64 tokens 455 / 530 / 745 -> ~415 /
+    # 470 / 651 us against 32-row tiles. Up to 128 tokens (large decode batches) groups of 8 on
+    # mma.sync; since v7b with the activations in tile order and the scales as words (H200,
+    # moe_prefill_columns.py --small, us per layer): 24 / 32 / 48 / 64 / 96 / 128 tokens 372 / 435 /
+    # 522 / 560 / 632 / 660 -> 353 / 425 / 502 / 548 / 606 / 627 (2-5%; the words alone, in thread
+    # order, lose 2-9%). Since v14 in the wgmma tile order on mma.sync (kWidth 2:
+    # _moe_gemv._weight_tile), once the unused MMA columns were no longer read: 32 / 64 tokens +1-2%
+    # (kernels.py, alternating; before that change it moved nothing, v13).
     (128, dataclasses.replace(
         _COLUMNS, tile_order=True, scale_words=True, gate_up_stages=3, down_stages=3,
         wgmma_order=True,
