@@ -1,0 +1,135 @@
+"""Where one engine prefill's wall time goes besides its kernels, without a profiler: the host
+before the forward pass, the host issuing it, the device running it, and what follows.
+
+    python bench/prefill_gap.py [--lengths 2048 8192] [--trials 7]
+                                [--out bench/results/prefill_gap.json]
+
+Each prompt runs to its first token as `gptoss-serve bench` times it (``Scenario.run``), with
+CUDA events around the runner's forward call, in two ways taken in turn:
+
+- **paced**: as the bench runs it. ``pre`` is the host from the step's start to the forward
+  call, ``issue`` the host inside the forward call, ``gpu`` the device from the forward call
+  to its last kernel (idle included where the host fell behind), ``post`` the rest.
+- **queued**: the device is first held busy by a sleep kernel, so the whole forward pass is
+  queued before it starts: ``issue`` is the host's own cost of issuing it (a hidden host
+  sync would show here as the sleep's length), and ``gpu`` the kernels back to back.
+
+``paced gpu - queued gpu`` is what the host's pace costs the device; ``wall - queued gpu`` is
+everything the kernels do not explain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gptoss_serve.benchmarks import engine_bench as eb
+from gptoss_serve.config import EngineConfig, SchedulerConfig
+from gptoss_serve.engine.startup import build_engine
+from gptoss_serve.engine.synthetic_weights import synthetic_model_config, synthetic_weights
+from kernels import write_results
+
+logger = logging.getLogger("bench.prefill_gap")
+
+SLEEP_CYCLES = 400_000_000  # ~200 ms at the H200's clock: longer than any issue here
+
+
+class ForwardTimer:
+    """Wraps ``runner.forward``: host times and CUDA events of its calls."""
+
+    def __init__(self, runner, *, queued: bool = False) -> None:
+        self.runner = runner
+        self.inner = runner.forward
+        self.queued = queued
+        self.calls: list[tuple[float, float, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __call__(self, *args, **kwargs):
+        if self.queued:
+            torch.cuda._sleep(SLEEP_CYCLES)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host_start = time.perf_counter()
+        start.record()
+        result = self.inner(*args, **kwargs)
+        stop.record()
+        self.calls.append((host_start, time.perf_counter(), start, stop))
+        return result
+
+    def __enter__(self) -> ForwardTimer:
+        self.runner.forward = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.forward  # the class's method again
+
+
+def one_prefill(make_core, vocab_size: int, length: int, seed: int, *, queued: bool,
+                runner) -> dict:  # fmt: skip
+    scenario = eb.Scenario(make_core, vocab_size, seed=seed)
+    scenario.add("prefill", length, 1)
+    with ForwardTimer(runner, queued=queued) as timer:
+        started = time.perf_counter()
+        wall = scenario.run()
+    torch.cuda.synchronize()
+    host_start, host_stop, start, stop = timer.calls[0]
+    gpu_ms = start.elapsed_time(stop)
+    pre_ms = (host_start - started) * 1e3
+    figures = {"wall_ms": wall * 1e3, "pre_ms": pre_ms, "issue_ms": (host_stop - host_start) * 1e3,
+               "gpu_ms": gpu_ms, "forward_calls": len(timer.calls)}  # fmt: skip
+    if not queued:
+        figures["post_ms"] = wall * 1e3 - pre_ms - gpu_ms
+    return figures
+
+
+def summarise(trials: list[dict]) -> dict:
+    keys = trials[0].keys()
+    return {key: {"median": round(statistics.median(t[key] for t in trials), 3),
+                  "min": round(min(t[key] for t in trials), 3),
+                  "max": round(max(t[key] for t in trials), 3)} for key in keys}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/prefill_gap.json"))
+    parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192])
+    parser.add_argument("--trials", type=int, default=7)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    weights = synthetic_weights(synthetic_model_config("synthetic-120b"), device="cuda")
+    # The bench's token budget; 64 seats and no decode graphs (a prefill runs eagerly either
+    # way) to start sooner.
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64), use_cuda_graphs=False)
+    make_core, runner, _ = build_engine(weights, config)
+    vocab = weights.config.vocab_size
+    rows = []
+    for length in args.lengths:
+        one_prefill(make_core, vocab, length, 1, queued=False, runner=runner)  # warm
+        paced, queued = [], []
+        for trial in range(args.trials):  # alternated, so drift hits both alike
+            paced.append(one_prefill(make_core, vocab, length, 10 + trial, queued=False,
+                                     runner=runner))  # fmt: skip
+            queued.append(one_prefill(make_core, vocab, length, 100 + trial, queued=True,
+                                      runner=runner))  # fmt: skip
+        row = {"tokens": length, "paced": summarise(paced), "queued": summarise(queued)}
+        med = {k: v["median"] for k, v in row["paced"].items()}
+        q = {k: v["median"] for k, v in row["queued"].items()}
+        logger.info(
+            "prefill %5d: wall %.2f ms (%.0f tok/s) = pre %.2f + gpu %.2f + post %.2f; "
+            "host issue %.2f (queued %.2f); kernels back to back %.2f",
+            length, med["wall_ms"], length / med["wall_ms"] * 1e3, med["pre_ms"], med["gpu_ms"],
+            med["post_ms"], med["issue_ms"], q["issue_ms"], q["gpu_ms"],
+        )  # fmt: skip
+        rows.append(row)
+    write_results(args.out, prefills=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
