@@ -21,8 +21,13 @@ everything the kernels do not explain.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
+import functools
+import io
 import logging
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -42,13 +47,22 @@ SLEEP_CYCLES = 400_000_000  # ~200 ms at the H200's clock: longer than any issue
 
 
 class ForwardTimer:
-    """Wraps ``runner.forward``: host times and CUDA events of its calls."""
+    """Wraps ``runner.forward``: host times and CUDA events of its calls; and every norm call
+    inside them (two a layer and the final one), the host's time and an event when issued."""
 
     def __init__(self, runner, *, queued: bool = False) -> None:
         self.runner = runner
         self.inner = runner.forward
+        self.ops = runner.ops
         self.queued = queued
         self.calls: list[tuple[float, float, torch.cuda.Event, torch.cuda.Event]] = []
+        self.marks: list[tuple[float, torch.cuda.Event]] = []
+
+    def _norm(self, *args, **kwargs):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((time.perf_counter(), event))
+        return self.ops.fused_add_rms_norm(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         if self.queued:
@@ -63,10 +77,18 @@ class ForwardTimer:
 
     def __enter__(self) -> ForwardTimer:
         self.runner.forward = self
+        self.runner.ops = dataclasses.replace(self.ops, fused_add_rms_norm=self._norm)
         return self
 
     def __exit__(self, *exc) -> None:
         del self.runner.forward  # the class's method again
+        self.runner.ops = self.ops
+
+    def timeline(self) -> list[tuple[float, float]]:
+        """(host ms, device ms) of each norm call of the first forward call, from its start."""
+        host_start, _, start, _ = self.calls[0]
+        return [((host - host_start) * 1e3, start.elapsed_time(event))
+                for host, event in self.marks]  # fmt: skip
 
 
 def one_prefill(make_core, vocab_size: int, length: int, seed: int, *, queued: bool,
@@ -84,7 +106,32 @@ def one_prefill(make_core, vocab_size: int, length: int, seed: int, *, queued: b
                "gpu_ms": gpu_ms, "forward_calls": len(timer.calls)}  # fmt: skip
     if not queued:
         figures["post_ms"] = wall * 1e3 - pre_ms - gpu_ms
-    return figures
+    return figures, timer.timeline()
+
+
+def log_timeline(lines: dict[str, list[tuple[float, float]]]) -> None:
+    """Each layer's input norm: when the host issued it and when the device reached it."""
+    paced, queued = lines["paced"], lines["queued"]
+    logger.info("  norm call   paced host / device ms   queued device ms")
+    for index in (*range(0, 8), 10, 20, 40, 60, 70, len(paced) - 1):
+        if index < len(paced):
+            logger.info("  %9d   %10.2f / %8.2f   %14.2f", index, paced[index][0], paced[index][1],
+                        queued[index][1])  # fmt: skip
+
+
+def profile_host(folder: Path, length: int, run) -> None:
+    """cProfile of ``run`` (a queued prefill: the host never waits for the device), its top
+    functions by own time and by cumulative time into ``folder``/host_<length>.txt."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    folder.mkdir(parents=True, exist_ok=True)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(70)
+    (folder / f"host_{length}.txt").write_text(text.getvalue())
 
 
 def summarise(trials: list[dict]) -> dict:
@@ -99,6 +146,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("results/prefill_gap.json"))
     parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--profile-host", type=Path, default=None,
+                        help="also write cProfile's stats of one queued prefill of each length "
+                             "(the host issuing it) under this folder")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -111,13 +161,22 @@ def main() -> int:
     rows = []
     for length in args.lengths:
         one_prefill(make_core, vocab, length, 1, queued=False, runner=runner)  # warm
-        paced, queued = [], []
+        paced, queued, lines = [], [], {}
         for trial in range(args.trials):  # alternated, so drift hits both alike
-            paced.append(one_prefill(make_core, vocab, length, 10 + trial, queued=False,
-                                     runner=runner))  # fmt: skip
-            queued.append(one_prefill(make_core, vocab, length, 100 + trial, queued=True,
-                                      runner=runner))  # fmt: skip
-        row = {"tokens": length, "paced": summarise(paced), "queued": summarise(queued)}
+            figures, lines["paced"] = one_prefill(make_core, vocab, length, 10 + trial,
+                                                  queued=False, runner=runner)  # fmt: skip
+            paced.append(figures)
+            figures, lines["queued"] = one_prefill(make_core, vocab, length, 100 + trial,
+                                                   queued=True, runner=runner)  # fmt: skip
+            queued.append(figures)
+        row = {"tokens": length, "paced": summarise(paced), "queued": summarise(queued),
+               "last_trial_norm_marks_ms": {k: [[round(h, 3), round(g, 3)] for h, g in v]
+                                            for k, v in lines.items()}}  # fmt: skip
+        log_timeline(lines)
+        if args.profile_host is not None:
+            run = functools.partial(one_prefill, make_core, vocab, length, 7, queued=True,
+                                    runner=runner)  # fmt: skip
+            profile_host(args.profile_host, length, run)
         med = {k: v["median"] for k, v in row["paced"].items()}
         q = {k: v["median"] for k, v in row["queued"].items()}
         logger.info(
