@@ -43,6 +43,8 @@ from kernels import write_results
 
 logger = logging.getLogger("bench.prefill_gap")
 
+TIMED_OPS = ("linear", "fused_add_rms_norm", "qkv_rope_and_cache_write", "attention_prefill",
+             "moe")  # fmt: skip
 SLEEP_CYCLES = 400_000_000  # ~200 ms at the H200's clock: longer than any issue here
 
 
@@ -57,12 +59,22 @@ class ForwardTimer:
         self.queued = queued
         self.calls: list[tuple[float, float, torch.cuda.Event, torch.cuda.Event]] = []
         self.marks: list[tuple[float, torch.cuda.Event]] = []
+        self.host_s = dict.fromkeys(TIMED_OPS, 0.0)
 
-    def _norm(self, *args, **kwargs):
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.marks.append((time.perf_counter(), event))
-        return self.ops.fused_add_rms_norm(*args, **kwargs)
+    def _timed(self, name: str):
+        inner = getattr(self.ops, name)
+
+        def timed(*args, **kwargs):
+            if name == "fused_add_rms_norm":
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self.marks.append((time.perf_counter(), event))
+            started = time.perf_counter()
+            result = inner(*args, **kwargs)
+            self.host_s[name] += time.perf_counter() - started
+            return result
+
+        return timed
 
     def __call__(self, *args, **kwargs):
         if self.queued:
@@ -77,7 +89,9 @@ class ForwardTimer:
 
     def __enter__(self) -> ForwardTimer:
         self.runner.forward = self
-        self.runner.ops = dataclasses.replace(self.ops, fused_add_rms_norm=self._norm)
+        self.runner.ops = dataclasses.replace(
+            self.ops, **{name: self._timed(name) for name in TIMED_OPS}
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -103,7 +117,8 @@ def one_prefill(make_core, vocab_size: int, length: int, seed: int, *, queued: b
     gpu_ms = start.elapsed_time(stop)
     pre_ms = (host_start - started) * 1e3
     figures = {"wall_ms": wall * 1e3, "pre_ms": pre_ms, "issue_ms": (host_stop - host_start) * 1e3,
-               "gpu_ms": gpu_ms, "forward_calls": len(timer.calls)}  # fmt: skip
+               "gpu_ms": gpu_ms, "forward_calls": len(timer.calls),
+               **{f"host_{name}_ms": s * 1e3 for name, s in timer.host_s.items()}}  # fmt: skip
     if not queued:
         figures["post_ms"] = wall * 1e3 - pre_ms - gpu_ms
     return figures, timer.timeline()
@@ -134,6 +149,14 @@ def profile_host(folder: Path, length: int, run) -> None:
     (folder / f"host_{length}.txt").write_text(text.getvalue())
 
 
+def host_cpu() -> str:
+    """The host's CPU model (its speed sets how fast a forward pass is issued)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def summarise(trials: list[dict]) -> dict:
     keys = trials[0].keys()
     return {key: {"median": round(statistics.median(t[key] for t in trials), 3),
@@ -152,6 +175,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    logger.info("host CPU: %s", host_cpu())
     weights = synthetic_weights(synthetic_model_config("synthetic-120b"), device="cuda")
     # The bench's token budget; 64 seats and no decode graphs (a prefill runs eagerly either
     # way) to start sooner.
@@ -185,8 +209,10 @@ def main() -> int:
             length, med["wall_ms"], length / med["wall_ms"] * 1e3, med["pre_ms"], med["gpu_ms"],
             med["post_ms"], med["issue_ms"], q["issue_ms"], q["gpu_ms"],
         )  # fmt: skip
+        logger.info("  host ms in the ops (queued): %s",
+                    {name: q[f"host_{name}_ms"] for name in TIMED_OPS})  # fmt: skip
         rows.append(row)
-    write_results(args.out, prefills=rows)
+    write_results(args.out, host_cpu=host_cpu(), prefills=rows)
     return 0
 
 
