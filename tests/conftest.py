@@ -26,6 +26,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 configure_allocator()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def verified_fast_launches():
+    """On a GPU, every Triton launch that skips Triton's binding (kernels/fast_launch.py) is
+    checked against Triton's own choice of compiled kernel, in every test that launches one."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    from gptoss_serve.kernels import fast_launch  # noqa: PLC0415
+
+    fast_launch.set_verification(True)
+    yield
+    fast_launch.set_verification(False)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

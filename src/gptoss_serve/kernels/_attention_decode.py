@@ -31,6 +31,7 @@ from gptoss_serve.kernels._attention_common import (
     softmax_update,
 )
 from gptoss_serve.kernels._moe_common import _prefetch_line
+from gptoss_serve.kernels.fast_launch import launcher
 from gptoss_serve.kernels.kv_dtype import FP8
 
 MAX_SPLITS = 64
@@ -284,7 +285,7 @@ def launch_decode(
     part_m = out if fold_sink else q.new_empty(part_shape, dtype=torch.float32)
     part_l = out if fold_sink else q.new_empty(part_shape, dtype=torch.float32)
     part_acc = out if fold_sink else q.new_empty((*part_shape, head_dim), dtype=torch.float32)
-    _decode_kernel[(num_kv_heads, num_splits, batch)](
+    launcher(_decode_kernel)[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, block_tables, seq_lens, sinks, out, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), window or 0, num_splits,
@@ -295,7 +296,7 @@ def launch_decode(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if not fold_sink:
-        _combine_kernel[(num_heads, batch)](
+        launcher(_combine_kernel)[(num_heads, batch)](
             sinks, part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
             PDL=pdl, num_warps=4, launch_pdl=pdl,

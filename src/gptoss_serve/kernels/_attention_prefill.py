@@ -31,6 +31,7 @@ from gptoss_serve.kernels._attention_common import (
     load_rows,
     softmax_update,
 )
+from gptoss_serve.kernels.fast_launch import launcher
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def launch_prefill(
     block_m = max(tiles.block_m, group_pad)
     block_q = block_m // group_pad
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
+    launcher(_prefill_kernel)[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sinks, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),

@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._moe_common import _to_bf16
+from gptoss_serve.kernels.fast_launch import launcher
 from gptoss_serve.kernels.linear import GemvTiles
 
 
@@ -95,7 +96,7 @@ def linear_triton(
     if num_tokens == 0:
         return out
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    _gemv_kernel[(triton.cdiv(num_rows, tiles.rows),)](
+    launcher(_gemv_kernel)[(triton.cdiv(num_rows, tiles.rows),)](
         x, weight, weight if bias is None else bias, out, num_tokens, num_rows, x.stride(0),
         out.stride(0), K=k, K_PAD=triton.next_power_of_2(k),
         T_PAD=triton.next_power_of_2(num_tokens), BN=tiles.rows, HAS_BIAS=bias is not None,

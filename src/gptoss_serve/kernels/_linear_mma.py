@@ -22,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._linear import dense_operands
 from gptoss_serve.kernels._moe_common import _dot, _to_bf16
+from gptoss_serve.kernels.fast_launch import launcher
 from gptoss_serve.kernels.linear import MmaTiles
 
 
@@ -77,7 +78,7 @@ def linear_mma_triton(
         return out
     if num_tokens > 256:
         raise ValueError(f"the MMA's token columns are at most 256, got {num_tokens} tokens")
-    _linear_mma_kernel[(triton.cdiv(num_rows, tiles.rows),)](
+    launcher(_linear_mma_kernel)[(triton.cdiv(num_rows, tiles.rows),)](
         x, weight, weight if bias is None else bias, out, num_tokens, num_rows, x.stride(0),
         out.stride(0), K=k, BM=tiles.rows, BK=tiles.block_k,
         T_PAD=max(16, triton.next_power_of_2(num_tokens)), HAS_BIAS=bias is not None,

@@ -36,6 +36,7 @@ from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_gemv as gemv
 from gptoss_serve.kernels import _moe_router_split as router_split
 from gptoss_serve.kernels import _moe_routing as routing
+from gptoss_serve.kernels.fast_launch import launcher
 from gptoss_serve.kernels.moe import MoeWeights
 
 # Largest T routed to this path by mxfp4_moe_triton: up to here (as far as measured) the
@@ -446,7 +447,7 @@ def launch_router(
     block_e = tiles.router_experts
     # The router's latency is its chain of loads: one step when x fits in registers.
     block_k = tiles.router_block_k or max(128, min(_pow2(hidden), 4096 // _pow2(num_tokens)))
-    decode._router_kernel[(triton.cdiv(weights.num_experts, block_e),)](
+    launcher(decode._router_kernel)[(triton.cdiv(weights.num_experts, block_e),)](
         x, weights.router_weight, weights.router_bias, logits, x_thread,
         counter if route else logits, ids if route else logits, gates if route else logits,
         num_tokens, x.stride(0), H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens),
@@ -482,13 +483,13 @@ def _launch_wide_router(
     _check_rows("x_thread", x_thread, hidden, tile_order)
     partial = torch.empty(num_parts, num_tokens, num_experts, dtype=torch.float32,
                           device=x.device)  # fmt: skip
-    router_split._router_split_kernel[(triton.cdiv(num_tokens, block_t), num_parts)](
+    launcher(router_split._router_split_kernel)[(triton.cdiv(num_tokens, block_t), num_parts)](
         x, weights.router_weight, partial, x_thread, num_tokens, x.stride(0), H=hidden,
         E=num_experts, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_K=split_k,
         PDL=pdl, INTERPRET=_interpreting(), TILE_ORDER=order, X_STRIDE=x_thread.stride(0),
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    router_split._router_finish_kernel[(triton.cdiv(num_tokens, finish_tokens),)](
+    launcher(router_split._router_finish_kernel)[(triton.cdiv(num_tokens, finish_tokens),)](
         partial, weights.router_bias, ids, gates, num_tokens, NUM_PARTS=num_parts, E=num_experts,
         E_PAD=e_pad, BLOCK_T=finish_tokens, TOP_K=top_k, K_PAD=_pow2(top_k), PDL=pdl,
         num_warps=4, launch_pdl=pdl,
@@ -514,7 +515,7 @@ def launch_gate_up(
     num_pairs = num_tokens * top_k
     pdl = _pdl(tiles)
     rows, split = tiles.gate_up_rows, tiles.gate_up_split
-    decode._gate_up_kernel[(num_pairs * triton.cdiv(2 * inter, rows),)](
+    launcher(decode._gate_up_kernel)[(num_pairs * triton.cdiv(2 * inter, rows),)](
         x_thread, gates if logits is None else logits, ids, gates,
         weights.gate_up_blocks, weights.gate_up_scales, weights.gate_up_bias, h,
         num_pairs, alpha, limit,
@@ -543,7 +544,7 @@ def launch_down(
     rows, split = tiles.down_rows, tiles.down_split
     if _pow2(top_k) * split * rows < 16:
         raise ValueError(f"k · down_split · down_rows must be at least 16, got {tiles}")
-    decode._down_kernel[(num_tokens, triton.cdiv(hidden, rows))](
+    launcher(decode._down_kernel)[(num_tokens, triton.cdiv(hidden, rows))](
         h, ids, gates,
         weights.down_blocks, weights.down_scales, weights.down_bias, out, out.stride(0),
         N=hidden, K=inter, TOP_K=top_k, BR=rows, SPLIT=split,
@@ -590,7 +591,7 @@ def launch_columns(
     # past K): every step is whole, the loop unmasked (bench/RESULTS.md v15).
     whole = weights.step_rows > 1 and tiles.tile_order
     rows = tiles.gate_up_rows
-    columns._columns_gate_up_kernel[(triton.cdiv(2 * inter, rows), g_max)](
+    launcher(columns._columns_gate_up_kernel)[(triton.cdiv(2 * inter, rows), g_max)](
         x_thread, group_expert, group_pairs, weights.gate_up_blocks, weights.gate_up_scales,
         weights.gate_up_bias, h, alpha, limit, H=hidden, N=2 * inter, TOP_K=top_k, BN=rows,
         COLS=cols,
@@ -601,7 +602,7 @@ def launch_columns(
     )  # fmt: skip
     y = _scratch((num_pairs, hidden), PAIR_DTYPE, device, poison)
     rows = tiles.down_rows
-    columns._columns_down_kernel[(triton.cdiv(hidden, rows), g_max)](
+    launcher(columns._columns_down_kernel)[(triton.cdiv(hidden, rows), g_max)](
         h, group_expert, group_pairs, gates, weights.down_blocks, weights.down_scales,
         weights.down_bias, y, y.stride(0), N=hidden, K=inter, TOP_K=top_k, BN=rows, COLS=cols,
         **_full_steps(inter, whole=whole), NUM_STAGES=tiles.down_stages,
@@ -633,7 +634,7 @@ def group(
     # Constexprs by powers of two only (FILL from the bound of P_PAD pairs): a value that
     # follows the token count compiles the kernel anew for each one (engine/compile_watch.py).
     fill = min(_GROUP_FILL, _pow2(columns.max_groups(p_pad, num_experts, cols) * cols))
-    columns._group_kernel[(1,)](
+    launcher(columns._group_kernel)[(1,)](
         ids, group_expert, group_pairs, num_pairs, valid_rows, g_max, COLS=cols, P_PAD=p_pad,
         E_PAD=_pow2(num_experts), FILL=fill, PDL=pdl, TOP_K=ids.shape[1], num_warps=8,
         launch_pdl=pdl,
@@ -661,15 +662,15 @@ def launch_block_table(
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     grid = (triton.cdiv(num_pairs, _PAIRS_BLOCK),)
-    routing._count_kernel[grid](
+    launcher(routing._count_kernel)[grid](
         ids, counts, num_pairs, valid_rows, E_PAD=e_pad, BLOCK=_PAIRS_BLOCK, TOP_K=top_k
     )
     max_blocks = block_table.shape[1]
-    routing._block_table_kernel[(triton.cdiv(max_blocks, _TABLE_CHUNK_PROGRAM),)](
+    launcher(routing._block_table_kernel)[(triton.cdiv(max_blocks, _TABLE_CHUNK_PROGRAM),)](
         counts, cursor, block_table, num_blocks, num_experts, max_blocks,
         E_PAD=e_pad, BLOCK_M=block_m, CHUNK_B=_TABLE_CHUNK_PROGRAM,
     )  # fmt: skip
-    routing._scatter_kernel[grid](
+    launcher(routing._scatter_kernel)[grid](
         ids, cursor, sorted_pairs, num_pairs, valid_rows, BLOCK=_PAIRS_BLOCK, TOP_K=top_k
     )
 
@@ -692,7 +693,7 @@ def _group_by_table(
         ids, num_experts, cols, sorted_pairs=sorted_pairs, block_table=block_table,
         num_blocks=num_blocks, valid_rows=valid_rows,
     )  # fmt: skip
-    columns._table_groups_kernel[(triton.cdiv(g_max, _TABLE_GROUPS),)](
+    launcher(columns._table_groups_kernel)[(triton.cdiv(g_max, _TABLE_GROUPS),)](
         sorted_pairs, block_table, num_blocks, group_expert, group_pairs, g_max, COLS=cols,
         BLOCK_G=_TABLE_GROUPS,
     )  # fmt: skip
@@ -723,7 +724,7 @@ def sum_pairs(
     slot order; zero rows from ``valid_rows[0]`` on (int32 [1]; None: none), whose y rows are
     not read."""
     num_tokens, hidden = out.shape
-    gemm._sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](
+    launcher(gemm._sum_pairs_kernel)[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](
         y, out, hidden, y.stride(0), out.stride(0), valid_rows, TOP_K=top_k, BLOCK=_SUM_BLOCK,
         INTERPRET=_interpreting(),
     )  # fmt: skip
@@ -771,7 +772,7 @@ def decode_debug(
     (mxfp4_layout.permute_words)."""
     num_rows = blocks.shape[0]
     out = torch.empty(num_rows, 32, dtype=torch.bfloat16, device=blocks.device)
-    gemv._decode_debug_kernel[(triton.cdiv(num_rows, 16),)](
+    launcher(gemv._decode_debug_kernel)[(triton.cdiv(num_rows, 16),)](
         blocks.contiguous(), scales.contiguous(), out, num_rows, PTX=ptx and not _interpreting(),
         PERMUTED=permuted,
     )  # fmt: skip

@@ -35,6 +35,7 @@ from gptoss_serve.kernels._moe_small import (
     mxfp4_moe_decode,
     sum_pairs,
 )
+from gptoss_serve.kernels.fast_launch import launcher
 from gptoss_serve.kernels.moe import MoeWeights
 
 
@@ -218,7 +219,7 @@ def route_triton(
     routing_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     if not tiles.small_routing:
         block_t, block_k = 32, 64
-        routing._router_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+        launcher(routing._router_topk_kernel)[(triton.cdiv(num_tokens, block_t),)](
             x, weights.router_weight, weights.router_bias, expert_ids, routing_weights,
             num_tokens, num_experts, x.stride(0), HIDDEN=hidden,
             TOP_K=top_k, K_PAD=_pow2(top_k), BLOCK_T=block_t, E_PAD=_experts_pad(num_experts),
@@ -229,7 +230,7 @@ def route_triton(
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     block_t, block_e, block_k = 16, 16, 256
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))
-    routing._router_kernel[grid](
+    launcher(routing._router_kernel)[grid](
         x, weights.router_weight, weights.router_bias, logits,
         num_tokens, num_experts, x.stride(0),
         HIDDEN=hidden, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, INTERPRET=_interpreting(),
@@ -272,7 +273,7 @@ def _group_small(
     num_tokens, top_k = expert_ids.shape
     grouping = _empty_grouping(expert_ids.numel(), num_experts, tiles.block_m, expert_ids.device)
     from_logits = logits is not None
-    routing._route_small_kernel[(1,)](
+    launcher(routing._route_small_kernel)[(1,)](
         logits if from_logits else expert_ids, expert_ids,
         routing_weights if from_logits else expert_ids,
         grouping.sorted_pair_ids, grouping.block_table, grouping.num_blocks,
@@ -355,7 +356,7 @@ def _launch_gemm(
 ) -> None:
     """Grid: max_blocks row blocks x cdiv(n, block_n) column tiles; dead row blocks exit."""
     grid = (max_blocks * triton.cdiv(n, gemm_tiles.block_n),)
-    kernel[grid](
+    launcher(kernel)[grid](
         *args,
         K=k, BLOCK_M=block_m, BLOCK_N=gemm_tiles.block_n, BLOCK_K=gemm_tiles.block_k,
         SWAP_AB=gemm_tiles.swap_ab, PTX=ptx, INTERPRET=_interpreting(), LB=step_rows,
@@ -374,7 +375,7 @@ def dequantize_mxfp4_triton(
     out = torch.empty(num_rows, num_groups * 32, dtype=torch.bfloat16, device=blocks.device)
     block_n, block_k = 16, 64
     grid = (triton.cdiv(num_rows, block_n), triton.cdiv(num_groups * 32, block_k))
-    dequant._dequant_kernel[grid](
+    launcher(dequant._dequant_kernel)[grid](
         blocks, scales, out, num_rows, num_groups * 32, blocks.stride(0), scales.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, PTX=ptx and not _interpreting(), LB=step_rows,
     )  # fmt: skip

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from gptoss_serve.kernels.fast_launch import launcher
+
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
@@ -83,7 +85,7 @@ def fused_add_rms_norm_triton(
     if num_tokens == 0:
         return normed, new_residual
     block = triton.next_power_of_2(hidden)
-    _fused_add_rms_norm_kernel[(num_tokens,)](
+    launcher(_fused_add_rms_norm_kernel)[(num_tokens,)](
         x,
         x if residual is None else residual,
         weight,

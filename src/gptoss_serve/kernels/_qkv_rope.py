@@ -25,6 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._attention_common import to_cache
 from gptoss_serve.kernels._moe_common import _to_bf16
+from gptoss_serve.kernels.fast_launch import launcher
 from gptoss_serve.kernels.linear import GemvTiles
 
 
@@ -139,7 +140,7 @@ def qkv_rope_triton(
     half = head_dim // 2
     pairs_per_program = tiles.rows // 2
     num_pairs = (num_heads + 2 * num_kv_heads) * half
-    _qkv_rope_kernel[(triton.cdiv(num_pairs, pairs_per_program),)](
+    launcher(_qkv_rope_kernel)[(triton.cdiv(num_pairs, pairs_per_program),)](
         x, weight.contiguous(), bias, positions, cos_sin.contiguous(), slot_mapping,
         q_out, k_cache, v_cache, num_tokens, cos_sin.shape[0], x.stride(0),
         q_out.stride(0), q_out.stride(1),

@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._attention_common import to_cache
+from gptoss_serve.kernels.fast_launch import launcher
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def rope_and_cache_write_triton(
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
-    _rope_cache_kernel[(num_tokens,)](
+    launcher(_rope_cache_kernel)[(num_tokens,)](
         q, k, v, positions, inv_freq.float().contiguous(), q_out, k_cache, v_cache,
         slot_mapping, float(scaling),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_serve.kernels.fast_launch import launcher
+
 # Tokens per program: 197 programs a row at V = 201088. Each pass is one short launch, so more,
 # smaller programs win: fp32 logits, batch 1 on the H200, all passes 64 us at 1024 against
 # 133 us at 4096 and 447 us at 16384 (bench/step_profile.py).
@@ -268,22 +270,22 @@ def sample_tokens_triton(
     grid = (num_rows, num_chunks)
     sizes = dict(CHUNK=chunk, CHUNKS_BLOCK=triton.next_power_of_2(num_chunks))
     row_stride = logits.stride(0)
-    _stats_kernel[grid](
+    launcher(_stats_kernel)[grid](
         logits, row_stride, temperature, part_max, part_arg, part_sum, vocab, num_chunks,
         CHUNK=chunk, TILE=min(chunk, 1024),
     )  # fmt: skip
     for pass_index in range(num_passes if nucleus else 0):
-        _search_kernel[grid](
+        launcher(_search_kernel)[grid](
             logits, row_stride, temperature, top_p, part_max, part_sum, prefixes, masses,
             vocab, num_rows, num_chunks, PASS=pass_index, NUM_PASSES=num_passes,
             TILE=min(chunk, SEARCH_TILE), **sizes,
         )  # fmt: skip
-    _sample_kernel[grid](
+    launcher(_sample_kernel)[grid](
         logits, row_stride, temperature, top_p, seeds, steps, part_max, part_sum, prefixes,
         masses, part_score, part_token, vocab, num_rows, num_chunks, NUM_PASSES=num_passes,
         TILE=min(chunk, 1024), NUCLEUS=nucleus, **sizes,
     )  # fmt: skip
-    _finish_kernel[(num_rows,)](
+    launcher(_finish_kernel)[(num_rows,)](
         temperature, part_max, part_arg, part_score, part_token, tokens, num_chunks,
         CHUNKS_BLOCK=sizes["CHUNKS_BLOCK"],
     )  # fmt: skip

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gptoss_serve.kernels.fast_launch import launcher
+
 
 @triton.jit
 def _permute(w):
@@ -57,6 +59,6 @@ def move_words_(words: torch.Tensor, *, forward: bool) -> None:
     num_words = words.numel()
     if not num_words:
         return
-    _move_words_kernel[(triton.cdiv(num_words, _BLOCK),)](
+    launcher(_move_words_kernel)[(triton.cdiv(num_words, _BLOCK),)](
         words, num_words, FORWARD=forward, BLOCK=_BLOCK
     )
