@@ -172,10 +172,18 @@ def _spec(value: Any, *, exact: bool = False) -> Any:
 
 
 def _hooks_set() -> bool:
+    """Triton's launch hooks (a profiler's): since 3.5 empty HookChains when none is set."""
     from triton import knobs  # noqa: PLC0415
 
     runtime = knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+def _hook_active(hook) -> bool:
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or bool(calls)
 
 
 def _launchable(compiled) -> bool:
