@@ -80,3 +80,16 @@ def test_direct_launches_match_triton_call_after_call():
     # the first round went direct.
     assert len(launch.compiled) < len(cases)
     assert launch.direct_launches >= 2 * len(cases) + 1
+
+
+def test_only_a_hook_chain_with_hooks_in_it_counts_as_set():
+    from gptoss_serve.kernels.fast_launch import _hook_active  # noqa: PLC0415
+
+    class Chain:
+        def __init__(self, calls: list) -> None:
+            self.calls = calls
+
+    assert not _hook_active(None)
+    assert not _hook_active(Chain([]))  # Triton 3.5+: an empty HookChain by default
+    assert _hook_active(Chain([print]))
+    assert _hook_active(print)  # an older Triton's plain callable
