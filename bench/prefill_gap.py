@@ -39,6 +39,7 @@ from gptoss_serve.benchmarks import engine_bench as eb
 from gptoss_serve.config import EngineConfig, SchedulerConfig
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.synthetic_weights import synthetic_model_config, synthetic_weights
+from gptoss_serve.kernels import fast_launch
 from kernels import write_results
 
 logger = logging.getLogger("bench.prefill_gap")
@@ -169,6 +170,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("results/prefill_gap.json"))
     parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--ab-launch", action="store_true",
+                        help="also run each trial with every launch through Triton's binding "
+                             "(kernels/fast_launch.py off)")  # fmt: skip
     parser.add_argument("--profile-host", type=Path, default=None,
                         help="also write cProfile's stats of one queued prefill of each length "
                              "(the host issuing it) under this folder")  # fmt: skip
@@ -186,6 +190,7 @@ def main() -> int:
     for length in args.lengths:
         one_prefill(make_core, vocab, length, 1, queued=False, runner=runner)  # warm
         paced, queued, lines = [], [], {}
+        triton_paced, triton_queued = [], []
         for trial in range(args.trials):  # alternated, so drift hits both alike
             figures, lines["paced"] = one_prefill(make_core, vocab, length, 10 + trial,
                                                   queued=False, runner=runner)  # fmt: skip
@@ -193,9 +198,23 @@ def main() -> int:
             figures, lines["queued"] = one_prefill(make_core, vocab, length, 100 + trial,
                                                    queued=True, runner=runner)  # fmt: skip
             queued.append(figures)
+            if args.ab_launch:  # the same, every launch through Triton's own binding
+                fast_launch.set_enabled(False)
+                triton_paced.append(one_prefill(make_core, vocab, length, 10 + trial,
+                                                queued=False, runner=runner)[0])  # fmt: skip
+                triton_queued.append(one_prefill(make_core, vocab, length, 100 + trial,
+                                                 queued=True, runner=runner)[0])  # fmt: skip
+                fast_launch.set_enabled(True)
         row = {"tokens": length, "paced": summarise(paced), "queued": summarise(queued),
                "last_trial_norm_marks_ms": {k: [[round(h, 3), round(g, 3)] for h, g in v]
                                             for k, v in lines.items()}}  # fmt: skip
+        if args.ab_launch:
+            row["triton_launch"] = {"paced": summarise(triton_paced),
+                                    "queued": summarise(triton_queued)}  # fmt: skip
+            tp, tq = (statistics.median(t["wall_ms"] for t in triton_paced),
+                      statistics.median(t["issue_ms"] for t in triton_queued))  # fmt: skip
+            logger.info("  through Triton's binding: wall %.2f ms (%.0f tok/s), host issue %.2f",
+                        tp, length / tp * 1e3, tq)  # fmt: skip
         log_timeline(lines)
         if args.profile_host is not None:
             run = functools.partial(one_prefill, make_core, vocab, length, 7, queued=True,

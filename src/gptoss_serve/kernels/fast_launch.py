@@ -43,6 +43,7 @@ MAX_SIGNATURES = 1024
 
 _launchers: dict[int, FastLauncher] = {}
 _verify = False
+_enabled = True
 
 
 def launcher(kernel) -> FastLauncher:
@@ -57,6 +58,12 @@ def set_verification(enabled: bool) -> None:
     """Check every direct launch against Triton's own binding (slow; for tests)."""
     global _verify  # noqa: PLW0603 (a test switch, read on every launch)
     _verify = enabled
+
+
+def set_enabled(enabled: bool) -> None:
+    """Direct launches on (the default) or off (every call through Triton: A/B runs)."""
+    global _enabled  # noqa: PLW0603 (a process-wide switch, read on every launch)
+    _enabled = enabled
 
 
 class SignatureMismatchError(RuntimeError):
@@ -112,7 +119,7 @@ class FastLauncher:
         return compiled
 
     def _key(self, grid, args: tuple, kwargs: dict) -> tuple | None:
-        if not self.direct or not isinstance(grid, tuple) or _hooks_set():
+        if not (_enabled and self.direct and isinstance(grid, tuple)) or _hooks_set():
             return None
         if len(args) > len(self.constexprs):
             return None
