@@ -1,11 +1,13 @@
 """Triton launches without Triton's per-call work in Python, for the eager steps.
 
 An eager forward pass (every step with a prefill) issues ~470 Triton launches, and Triton's
-``JITFunction.run`` spends ~15-20 us of host time in each before the launch itself (binding
-and specialising every argument, a cache key built from ``str(options)``, the driver's device
-and stream, hooks, a check of the globals): the H200 machine's host took 37-43 ms to issue a
-120b forward pass whose kernels take 28 ms at 512 tokens and 38 ms at 1024, so short
-prefills waited for the host (bench/prefill_gap.py, bench/RESULTS.md e31).
+``JITFunction.run`` spends ~15 us of host time in each before the launch itself (binding and
+specialising every argument, a cache key built from ``str(options)``, the driver's device and
+stream, hooks, a check of the globals): 22.6 against 7.9 us for a 15-argument kernel on the
+H200 machine's host. That host took 37-50 ms to issue a 120b forward pass whose kernels take
+18 ms at 128 tokens, 28 ms at 512 and 38 ms at 1024, so short prefills wait for the host
+(bench/prefill_gap.py). Direct launches cut its issue time 5-8% (512 tokens: wall 47.3 ->
+42.7 ms, in one process; bench/RESULTS.md e31); the rest is our wrappers and torch's ops.
 
 ``launcher(kernel)[grid](*args, **kwargs)`` takes the same arguments as
 ``kernel[grid](*args, **kwargs)``. The first call of each argument signature goes through
@@ -103,6 +105,11 @@ class FastLauncher:
             if len(self.compiled) < MAX_SIGNATURES and _launchable(compiled):
                 tail = tuple(self.names[len(args) :])
                 self.compiled[key] = (compiled, tail)
+                if len(self.compiled) == MAX_SIGNATURES:
+                    name = self.kernel.__name__
+                    logger.warning("%s: %d launch signatures kept; new ones go through Triton's "
+                                   "binding from now on (a keyword value that changes every "
+                                   "call?)", name, MAX_SIGNATURES)  # fmt: skip
             return compiled
         compiled, tail = found
         values = [*args]
