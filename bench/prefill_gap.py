@@ -130,7 +130,7 @@ def log_timeline(lines: dict[str, list[tuple[float, float]]]) -> None:
     paced, queued = lines["paced"], lines["queued"]
     logger.info("  norm call   paced host / device ms   queued device ms")
     for index in (*range(0, 8), 10, 20, 40, 60, 70, len(paced) - 1):
-        if index < len(paced):
+        if index < min(len(paced), len(queued)):
             logger.info("  %9d   %10.2f / %8.2f   %14.2f", index, paced[index][0], paced[index][1],
                         queued[index][1])  # fmt: skip
 
@@ -170,6 +170,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("results/prefill_gap.json"))
     parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192])
     parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="capture the CUDA graphs (decode and piecewise) as the bench does",
+    )
+    parser.add_argument("--ab-pieces", action="store_true",
+                        help="also run each trial eagerly, not on the piecewise graphs "
+                             "(implies --graphs)")  # fmt: skip
     parser.add_argument("--ab-launch", action="store_true",
                         help="also run each trial with every launch through Triton's binding "
                              "(kernels/fast_launch.py off)")  # fmt: skip
@@ -181,9 +189,10 @@ def main() -> int:
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     logger.info("host CPU: %s", host_cpu())
     weights = synthetic_weights(synthetic_model_config("synthetic-120b"), device="cuda")
-    # The bench's token budget; 64 seats and no decode graphs (a prefill runs eagerly either
-    # way) to start sooner.
-    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64), use_cuda_graphs=False)
+    # The bench's token budget; 64 seats, and the graphs (decode and piecewise) only when
+    # asked: without them every prefill runs eagerly.
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64),
+                          use_cuda_graphs=args.graphs or args.ab_pieces)  # fmt: skip
     make_core, runner, _ = build_engine(weights, config)
     vocab = weights.config.vocab_size
     rows = []
@@ -198,23 +207,28 @@ def main() -> int:
             figures, lines["queued"] = one_prefill(make_core, vocab, length, 100 + trial,
                                                    queued=True, runner=runner)  # fmt: skip
             queued.append(figures)
-            if args.ab_launch:  # the same, every launch through Triton's own binding
-                fast_launch.set_enabled(False)
+            if args.ab_launch or args.ab_pieces:  # the same, the other way
+                pieces = runner.pieces
+                if args.ab_launch:  # every launch through Triton's own binding
+                    fast_launch.set_enabled(False)
+                else:  # eagerly, not on the piecewise graphs
+                    runner.pieces = None
                 triton_paced.append(one_prefill(make_core, vocab, length, 10 + trial,
                                                 queued=False, runner=runner)[0])  # fmt: skip
                 triton_queued.append(one_prefill(make_core, vocab, length, 100 + trial,
                                                  queued=True, runner=runner)[0])  # fmt: skip
                 fast_launch.set_enabled(True)
+                runner.pieces = pieces
         row = {"tokens": length, "paced": summarise(paced), "queued": summarise(queued),
                "last_trial_norm_marks_ms": {k: [[round(h, 3), round(g, 3)] for h, g in v]
                                             for k, v in lines.items()}}  # fmt: skip
-        if args.ab_launch:
-            row["triton_launch"] = {"paced": summarise(triton_paced),
-                                    "queued": summarise(triton_queued)}  # fmt: skip
+        if args.ab_launch or args.ab_pieces:
+            other = "triton_launch" if args.ab_launch else "eager"
+            row[other] = {"paced": summarise(triton_paced), "queued": summarise(triton_queued)}
             tp, tq = (statistics.median(t["wall_ms"] for t in triton_paced),
                       statistics.median(t["issue_ms"] for t in triton_queued))  # fmt: skip
-            logger.info("  through Triton's binding: wall %.2f ms (%.0f tok/s), host issue %.2f",
-                        tp, length / tp * 1e3, tq)  # fmt: skip
+            logger.info("  %s: wall %.2f ms (%.0f tok/s), host issue %.2f", other, tp,
+                        length / tp * 1e3, tq)  # fmt: skip
         log_timeline(lines)
         if args.profile_host is not None:
             run = functools.partial(one_prefill, make_core, vocab, length, 7, queued=True,

@@ -262,6 +262,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument(
+        "--piecewise-max-tokens",
+        type=int,
+        default=EngineConfig().piecewise_max_tokens,
+        help="steps with prefills of up to this many tokens run as piecewise CUDA graphs "
+        "(attention eager between them); 0: eagerly",
+    )
+    parser.add_argument(
         "--no-pdl",
         action="store_true",
         help="plain kernel launches (no programmatic dependent launch)",
@@ -292,6 +299,7 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None) 
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_gpu_memory_gb=args.max_gpu_memory,
             use_cuda_graphs=not args.no_cuda_graphs,
+            piecewise_max_tokens=args.piecewise_max_tokens,
             programmatic_launch=not args.no_pdl,
             async_scheduling=not args.no_async_scheduling,
             reference_ops=getattr(args, "dtype", None) == "float32",

@@ -382,6 +382,10 @@ class EngineConfig:
     # that prefix-cache hits on sliding layers survive.
     num_spare_sliding_blocks: int = 256
     use_cuda_graphs: bool = True
+    # Steps with prefills of up to this many tokens run as piecewise CUDA graphs, the
+    # attention eager between them (engine/piecewise_graphs.py; with use_cuda_graphs only;
+    # 0: eagerly): issuing such a step eagerly takes the host longer than the device needs.
+    piecewise_max_tokens: int = 1024
     # The decode step's kernels as programmatic dependent launches (kernels/launch.py):
     # 2.76 -> 2.59 ms a 120b batch-1 step on the H200 (bench/pdl_step.py).
     programmatic_launch: bool = True
@@ -406,6 +410,8 @@ class EngineConfig:
             raise ValueError(f"max_gpu_memory_gb must be > 0, got {self.max_gpu_memory_gb}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
+        if self.piecewise_max_tokens < 0:
+            raise ValueError(f"piecewise_max_tokens must be >= 0, got {self.piecewise_max_tokens}")
         if self.num_spare_sliding_blocks < 0:
             raise ValueError("num_spare_sliding_blocks must be >= 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

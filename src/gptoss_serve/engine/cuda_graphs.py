@@ -72,6 +72,11 @@ class DecodeGraphs:
             time.perf_counter() - started,
         )
 
+    @property
+    def pool(self):
+        """The graphs' memory pool (None before the capture): piecewise graphs share it."""
+        return self._pool
+
     def padded_size(self, num_decodes: int) -> int | None:
         """The smallest captured size holding ``num_decodes`` rows (None: too many)."""
         index = bisect.bisect_left(self.batch_sizes, num_decodes)

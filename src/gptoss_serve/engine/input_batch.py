@@ -158,10 +158,18 @@ class InputBatch:
         self._padded_views: dict[tuple[int, int], tuple[torch.Tensor, AttentionMetadata,
                                                         torch.Tensor]] = {}  # fmt: skip
 
-    def prepare(self, output: SchedulerOutput, *, decode_rows: int | None = None) -> StepInputs:
+    def prepare(
+        self,
+        output: SchedulerOutput,
+        *,
+        decode_rows: int | None = None,
+        pad_rows: int | None = None,
+    ) -> StepInputs:
         """``decode_rows``: pad an all-decode step to this many rows (a captured graph's size);
         the graph then reads the tables at full width (``_Tables.wide``; the padding rows,
-        of length 0, read none) and bounds the lengths by ``max_model_len``."""
+        of length 0, read none) and bounds the lengths by ``max_model_len``. ``pad_rows``:
+        pad any step to this many rows at its end (a piecewise graph's size): the token
+        rows are padded as above, the metadata (lengths, tables) is the step's own."""
         scheduled = output.scheduled
         num_decodes = output.num_decodes
         num_tokens = output.num_tokens
@@ -170,7 +178,9 @@ class InputBatch:
         padded = decode_rows is not None
         if padded and (num_decodes != len(scheduled) or decode_rows < num_decodes):
             raise ValueError("only an all-decode step can be padded")
-        total_rows = decode_rows if padded else num_tokens
+        if pad_rows is not None and (padded or not num_tokens <= pad_rows <= self.max_rows):
+            raise ValueError(f"cannot pad a step of {num_tokens} rows to {pad_rows}")
+        total_rows = decode_rows if padded else (pad_rows or num_tokens)
         if self._uploaded is not None:
             self._uploaded.synchronize()
         self._fill_rows(output, total_rows)

@@ -1,5 +1,7 @@
 """Runs one scheduled step on the device: inputs into persistent buffers, the forward pass
-(a captured CUDA graph for decode-only steps, eager otherwise), then sampling on the device.
+(a captured CUDA graph for decode-only steps; piecewise graphs with the attention between them
+for other steps of up to ``piecewise_max_tokens`` tokens; eager otherwise), then sampling on
+the device.
 
 The only host sync per step is reading back the sampled tokens, which the scheduler and the
 streams need. With async scheduling that read waits for one step while the next one, already
@@ -17,10 +19,11 @@ import torch
 
 from gptoss_serve.config import SchedulerConfig
 from gptoss_serve.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from gptoss_serve.engine.forward import forward
+from gptoss_serve.engine.forward import attend, final_logits, forward
 from gptoss_serve.engine.input_batch import InputBatch, StepInputs
 from gptoss_serve.engine.kv_cache import KvCacheTensors
 from gptoss_serve.engine.ops import KERNEL_OPS, Ops
+from gptoss_serve.engine.piecewise_graphs import PiecewiseGraphs, piece_sizes
 from gptoss_serve.engine.request import PLACEHOLDER_TOKEN
 from gptoss_serve.engine.scheduler_output import SchedulerOutput
 from gptoss_serve.engine.weights import ModelWeights
@@ -75,7 +78,10 @@ class ModelRunner:
         *,
         ops: Ops = KERNEL_OPS,
         use_cuda_graphs: bool = True,
+        piecewise_max_tokens: int = 0,
     ) -> None:
+        """``piecewise_max_tokens``: steps with prefills of up to this many tokens run on
+        piecewise graphs (engine/piecewise_graphs.py; with the decode graphs only; 0: none)."""
         self.weights = weights
         self.kv = kv
         self.ops = ops
@@ -90,6 +96,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs and self.device.type == "cuda" and ops.is_graph_safe:
             self.graphs = DecodeGraphs(graph_batch_sizes(config.max_num_seqs))
+        self.pieces: PiecewiseGraphs | None = None
+        sizes = piece_sizes(piecewise_max_tokens, config.max_num_batched_tokens)
+        if self.graphs is not None and sizes:
+            self.pieces = PiecewiseGraphs(sizes, weights, kv, ops)
         # Two pinned buffers in turn for the tokens read back: a step's may be in flight
         # while the one before is read.
         self._token_buffers = []
@@ -108,6 +118,16 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.capture(self._padding_inputs, self._decode_step)
+        if self.pieces is not None:
+            self.pieces.capture(self._padding_rows, pool=self.graphs.pool)
+
+    def _padding_rows(self, size: int) -> StepInputs:
+        """A step of ``size`` padding rows and no requests, as piecewise graphs capture it."""
+        empty = SchedulerOutput(
+            step=-1, scheduled=(), num_decodes=0, preempted_request_ids=(),
+            finished_request_ids=(),
+        )  # fmt: skip
+        return self.batch.prepare(empty, pad_rows=size)
 
     def _padding_inputs(self, size: int) -> StepInputs:
         """A decode step of ``size`` padding rows (length 0, slot -1), as graphs capture it."""
@@ -132,13 +152,23 @@ class ModelRunner:
         (not yet computed when this returns on a GPU) and the step's inputs. ``previous``:
         the step before, when it is still in flight (rows with a placeholder token take its
         tokens)."""
-        size = None
+        size = piece_size = None
         if self.graphs is not None and output.num_decodes == len(output.scheduled):
             size = self.graphs.padded_size(output.num_decodes)
-        inputs = self.batch.prepare(output, decode_rows=size)
+        elif self.pieces is not None:
+            piece_size = self.pieces.padded_size(output.num_tokens)
+        inputs = self.batch.prepare(output, decode_rows=size, pad_rows=piece_size)
         _take_previous_tokens(inputs.input_ids, output, previous)
         if size is not None:
             logits = self.graphs.replay(size)[: len(inputs.sampled_request_ids)]
+        elif piece_size is not None:
+            metadata = inputs.metadata
+
+            def attend_layer(index: int, q: torch.Tensor, out: torch.Tensor) -> None:
+                attend(self.weights, self.kv, self.ops, index, q, metadata, out)
+
+            x, residual = self.pieces.run(piece_size, output.num_tokens, attend_layer)
+            logits = final_logits(self.weights, self.ops, x, residual, inputs.logits_indices)
         else:
             logits = forward(
                 self.weights,

@@ -71,8 +71,9 @@ def build_engine(
         dtype=kv_dtype,
     )
     runner = ModelRunner(
-        weights, kv, scheduler_config, ops=ops, use_cuda_graphs=config.use_cuda_graphs
-    )
+        weights, kv, scheduler_config, ops=ops, use_cuda_graphs=config.use_cuda_graphs,
+        piecewise_max_tokens=config.piecewise_max_tokens,
+    )  # fmt: skip
     runner.capture_graphs()
     if weights.device.type == "cuda" and not config.reference_ops:
         warm_up(runner, scheduler_config, plan)
