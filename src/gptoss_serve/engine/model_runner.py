@@ -31,6 +31,11 @@ from gptoss_serve.kernels.sampling import apply_token_bitmask, needs_nucleus
 
 logger = logging.getLogger(__name__)
 
+# A step of no requests: what the graphs' captures pad to their sizes.
+_NO_REQUESTS = SchedulerOutput(
+    step=-1, scheduled=(), num_decodes=0, preempted_request_ids=(), finished_request_ids=()
+)
+
 
 @dataclass(frozen=True)
 class SamplingBatch:
@@ -123,19 +128,11 @@ class ModelRunner:
 
     def _padding_rows(self, size: int) -> StepInputs:
         """A step of ``size`` padding rows and no requests, as piecewise graphs capture it."""
-        empty = SchedulerOutput(
-            step=-1, scheduled=(), num_decodes=0, preempted_request_ids=(),
-            finished_request_ids=(),
-        )  # fmt: skip
-        return self.batch.prepare(empty, pad_rows=size)
+        return self.batch.prepare(_NO_REQUESTS, pad_rows=size)
 
     def _padding_inputs(self, size: int) -> StepInputs:
         """A decode step of ``size`` padding rows (length 0, slot -1), as graphs capture it."""
-        empty = SchedulerOutput(
-            step=-1, scheduled=(), num_decodes=0, preempted_request_ids=(),
-            finished_request_ids=(),
-        )  # fmt: skip
-        return self.batch.prepare(empty, decode_rows=size)
+        return self.batch.prepare(_NO_REQUESTS, decode_rows=size)
 
     def _decode_step(self, inputs: StepInputs) -> torch.Tensor:
         """The captured step: the graph reads each replay's count of real rows from the
