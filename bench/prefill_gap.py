@@ -1,7 +1,8 @@
 """Where one engine prefill's wall time goes besides its kernels, without a profiler: the host
 before the forward pass, the host issuing it, the device running it, and what follows.
 
-    python bench/prefill_gap.py [--lengths 2048 8192] [--trials 7]
+    python bench/prefill_gap.py [--lengths 2048 8192] [--trials 7] [--profile-host DIR]
+                                [--graphs] [--ab-pieces | --ab-launch]
                                 [--out bench/results/prefill_gap.json]
 
 Each prompt runs to its first token as `gptoss-serve bench` times it (``Scenario.run``), with
@@ -15,7 +16,9 @@ CUDA events around the runner's forward call, in two ways taken in turn:
   sync would show here as the sleep's length), and ``gpu`` the kernels back to back.
 
 ``paced gpu - queued gpu`` is what the host's pace costs the device; ``wall - queued gpu`` is
-everything the kernels do not explain.
+everything the kernels do not explain. ``--ab-pieces`` (with the graphs) also runs each trial
+eagerly instead of on the piecewise graphs, ``--ab-launch`` with every Triton launch through
+Triton's binding (kernels/fast_launch.py off); the two ways alternate within the process.
 """
 
 from __future__ import annotations
