@@ -1,7 +1,8 @@
 """Piecewise graphs (engine/piecewise_graphs.py): a step with prefills padded to a captured
 size, its pieces run with the attention between them, gives its rows the logits of the
 whole forward pass (CPU, reference ops); the graphs' replays give what the same pieces give
-launched eagerly (GPU); the padded input rows write no K/V and are left out of the MoE."""
+launched eagerly (GPU); the padded input rows write no K/V and are left out of the MoE; the
+runner sends the steps that fit a size through the pieces and the others eagerly (CPU)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import pytest
 import torch
 
 from gptoss_serve.checkpoint.presets import preset_config
-from gptoss_serve.config import EngineConfig, ModelConfig
+from gptoss_serve.config import EngineConfig, ModelConfig, SchedulerConfig
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
 from gptoss_serve.engine.forward import attend, final_logits, forward
 from gptoss_serve.engine.input_batch import InputBatch
 from gptoss_serve.engine.kv_cache import allocate_kv_cache
+from gptoss_serve.engine.model_runner import ModelRunner
 from gptoss_serve.engine.ops import KERNEL_OPS, REFERENCE_OPS
 from gptoss_serve.engine.piecewise_graphs import PiecewiseGraphs, piece_sizes
 from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -23,9 +25,10 @@ from gptoss_serve.engine.synthetic_weights import synthetic_weights
 from gptoss_serve.kernels.moe import mxfp4_moe_reference
 
 
-def _mixed_step() -> SchedulerOutput:
+def _mixed_step(new_prompt: int = 5) -> SchedulerOutput:
     """Two decodes (contexts 40 and 17), a prefill chunk at position 20 and a new prompt of
-    5 tokens: 2 + 9 + 5 = 16 rows. Request i owns blocks 100·i + j of both groups."""
+    ``new_prompt`` tokens: 2 + 9 + 5 = 16 rows. Request i owns blocks 100·i + j of both
+    groups."""
 
     def entry(index: int, tokens: tuple[int, ...], computed: int) -> ScheduledRequest:
         blocks = tuple(range(100 * index, 100 * index + (computed + len(tokens)) // BLOCK_SIZE + 1))
@@ -39,7 +42,7 @@ def _mixed_step() -> SchedulerOutput:
         entry(0, (11,), 40),
         entry(1, (12,), 17),
         entry(2, tuple(range(30, 39)), 20),
-        entry(3, tuple(range(50, 55)), 0),
+        entry(3, tuple(range(50, 50 + new_prompt)), 0),
     )
     return SchedulerOutput(
         step=3, scheduled=scheduled, num_decodes=2, preempted_request_ids=(),
@@ -134,7 +137,7 @@ def test_the_graphs_replay_what_the_pieces_compute_eagerly() -> None:
             attend(weights, kv, KERNEL_OPS, index, q, inputs.metadata, out)
 
         if replay:
-            x, residual = pieces.run(32, step.num_tokens, attend_layer)
+            x, residual = pieces.run(32, step.num_tokens, inputs, attend_layer)
         else:
             x, residual = pieces.run_eagerly(32, step.num_tokens, inputs, attend_layer)
         logits = final_logits(weights, KERNEL_OPS, x, residual, inputs.logits_indices)
@@ -143,3 +146,43 @@ def test_the_graphs_replay_what_the_pieces_compute_eagerly() -> None:
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     assert pieces.padded_size(16) == 16 and pieces.padded_size(17) == 32
     assert pieces.padded_size(33) is None
+
+
+class _EagerPieces(PiecewiseGraphs):
+    """The pieces launched eagerly where a GPU replays their graphs: the runner's wiring
+    (padding, the attention between pieces, the logits after them) on the CPU."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.runs: list[tuple[int, int]] = []
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        return next((size for size in self.sizes if size >= num_tokens), None)
+
+    def run(self, size, num_tokens, inputs, attend):
+        self.runs.append((size, num_tokens))
+        return self.run_eagerly(size, num_tokens, inputs, attend)
+
+
+def test_the_runner_takes_the_pieces_for_steps_that_fit_them() -> None:
+    config = ModelConfig.from_dict(preset_config("tiny", hidden=64, intermediate=64, experts=8))
+    weights = synthetic_weights(config, device="cpu", dtype=torch.float32)
+    kv = allocate_kv_cache(config, num_full_blocks=512, num_sliding_blocks=512, device="cpu",
+                           dtype=torch.float32)  # fmt: skip
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
+    runner = ModelRunner(weights, kv, scheduler, ops=REFERENCE_OPS, use_cuda_graphs=False)
+    assert runner.pieces is None  # no graphs on a CPU
+    step = _mixed_step()
+    eager, _ = runner.forward(step)
+    runner.pieces = _EagerPieces((16, 32), weights, kv, REFERENCE_OPS)
+    pieced, inputs = runner.forward(step)
+    assert runner.pieces.runs == [(16, 16)]
+    assert inputs.sampled_request_ids == ("r0", "r1", "r2", "r3")
+    torch.testing.assert_close(pieced, eager, rtol=1e-5, atol=1e-5)
+    runner.forward(_mixed_step(new_prompt=30))  # 41 rows: past the largest size, eager
+    assert runner.pieces.runs == [(16, 16)]
+    shorter = dataclasses.replace(step, scheduled=step.scheduled[:3])  # 11 rows, padded to 16
+    pieced, _ = runner.forward(shorter)
+    assert runner.pieces.runs[-1] == (16, 11)
+    runner.pieces = None
+    torch.testing.assert_close(pieced, runner.forward(shorter)[0], rtol=1e-5, atol=1e-5)

@@ -164,7 +164,7 @@ class ModelRunner:
             def attend_layer(index: int, q: torch.Tensor, out: torch.Tensor) -> None:
                 attend(self.weights, self.kv, self.ops, index, q, metadata, out)
 
-            x, residual = self.pieces.run(piece_size, output.num_tokens, attend_layer)
+            x, residual = self.pieces.run(piece_size, output.num_tokens, inputs, attend_layer)
             logits = final_logits(self.weights, self.ops, x, residual, inputs.logits_indices)
         else:
             logits = forward(

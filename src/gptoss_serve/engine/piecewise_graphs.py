@@ -102,10 +102,13 @@ class PiecewiseGraphs:
             return None
         return self.sizes[index]
 
-    def run(self, size: int, num_tokens: int, attend: Attend) -> tuple[torch.Tensor, ...]:
-        """The forward pass of a step of ``num_tokens`` rows padded to ``size`` (its inputs
-        already in the runner's buffers): the last MoE's output and the residual, [size, H]
-        (rows past ``num_tokens`` are padding)."""
+    def run(
+        self, size: int, num_tokens: int, inputs: StepInputs, attend: Attend
+    ) -> tuple[torch.Tensor, ...]:
+        """The forward pass of a step of ``num_tokens`` rows padded to ``size``, whose
+        ``inputs`` are already in the runner's buffers (the graphs read them there): the last
+        MoE's output and the residual, [size, H] (rows past ``num_tokens`` are padding)."""
+        del inputs  # read by the graphs from the buffers they were captured over
         graphs = self._graphs[size]
         graphs[0].replay()
         q, out = self._q[:num_tokens], self._attention[:num_tokens]
