@@ -2,7 +2,8 @@
 before the forward pass, the host issuing it, the device running it, and what follows.
 
     python bench/prefill_gap.py [--lengths 2048 8192] [--trials 7] [--profile-host DIR]
-                                [--graphs] [--ab-pieces | --ab-launch]
+                                [--graphs] [--piecewise-max-tokens N]
+                                [--ab-pieces | --ab-launch]
                                 [--out bench/results/prefill_gap.json]
 
 Each prompt runs to its first token as `gptoss-serve bench` times it (``Scenario.run``), with
@@ -168,7 +169,7 @@ def summarise(trials: list[dict]) -> dict:
                   "max": round(max(t[key] for t in trials), 3)} for key in keys}  # fmt: skip
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/prefill_gap.json"))
     parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192])
@@ -177,6 +178,12 @@ def main() -> int:
         "--graphs",
         action="store_true",
         help="capture the CUDA graphs (decode and piecewise) as the bench does",
+    )
+    parser.add_argument(
+        "--piecewise-max-tokens",
+        type=int,
+        default=EngineConfig().piecewise_max_tokens,
+        help="the largest step the piecewise graphs take (with --graphs)",
     )
     parser.add_argument("--ab-pieces", action="store_true",
                         help="also run each trial eagerly, not on the piecewise graphs "
@@ -187,7 +194,11 @@ def main() -> int:
     parser.add_argument("--profile-host", type=Path, default=None,
                         help="also write cProfile's stats of one queued prefill of each length "
                              "(the host issuing it) under this folder")  # fmt: skip
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     logger.info("host CPU: %s", host_cpu())
@@ -195,7 +206,8 @@ def main() -> int:
     # The bench's token budget; 64 seats, and the graphs (decode and piecewise) only when
     # asked: without them every prefill runs eagerly.
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=64),
-                          use_cuda_graphs=args.graphs or args.ab_pieces)  # fmt: skip
+                          use_cuda_graphs=args.graphs or args.ab_pieces,
+                          piecewise_max_tokens=args.piecewise_max_tokens)  # fmt: skip
     make_core, runner, _ = build_engine(weights, config)
     vocab = weights.config.vocab_size
     rows = []
