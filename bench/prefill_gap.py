@@ -214,7 +214,7 @@ def main() -> int:
     for length in args.lengths:
         one_prefill(make_core, vocab, length, 1, queued=False, runner=runner)  # warm
         paced, queued, lines = [], [], {}
-        triton_paced, triton_queued = [], []
+        other_paced, other_queued = [], []
         for trial in range(args.trials):  # alternated, so drift hits both alike
             figures, lines["paced"] = one_prefill(make_core, vocab, length, 10 + trial,
                                                   queued=False, runner=runner)  # fmt: skip
@@ -228,9 +228,9 @@ def main() -> int:
                     fast_launch.set_enabled(False)
                 else:  # eagerly, not on the piecewise graphs
                     runner.pieces = None
-                triton_paced.append(one_prefill(make_core, vocab, length, 10 + trial,
+                other_paced.append(one_prefill(make_core, vocab, length, 10 + trial,
                                                 queued=False, runner=runner)[0])  # fmt: skip
-                triton_queued.append(one_prefill(make_core, vocab, length, 100 + trial,
+                other_queued.append(one_prefill(make_core, vocab, length, 100 + trial,
                                                  queued=True, runner=runner)[0])  # fmt: skip
                 fast_launch.set_enabled(True)
                 runner.pieces = pieces
@@ -239,9 +239,9 @@ def main() -> int:
                                             for k, v in lines.items()}}  # fmt: skip
         if args.ab_launch or args.ab_pieces:
             other = "triton_launch" if args.ab_launch else "eager"
-            row[other] = {"paced": summarise(triton_paced), "queued": summarise(triton_queued)}
-            tp, tq = (statistics.median(t["wall_ms"] for t in triton_paced),
-                      statistics.median(t["issue_ms"] for t in triton_queued))  # fmt: skip
+            row[other] = {"paced": summarise(other_paced), "queued": summarise(other_queued)}
+            tp, tq = (statistics.median(t["wall_ms"] for t in other_paced),
+                      statistics.median(t["issue_ms"] for t in other_queued))  # fmt: skip
             logger.info("  %s: wall %.2f ms (%.0f tok/s), host issue %.2f", other, tp,
                         length / tp * 1e3, tq)  # fmt: skip
         log_timeline(lines)

@@ -1,12 +1,17 @@
 """Small factories for the scheduler tests, a fake model over a simulated paged KV cache, and
-the invariants every step must keep."""
+the invariants every step must keep; a tiny real model and paged cache for the forward pass's
+tests."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gptoss_serve.config import SamplingParams, SchedulerConfig
+import torch
+
+from gptoss_serve.checkpoint.presets import preset_config
+from gptoss_serve.config import ModelConfig, SamplingParams, SchedulerConfig
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
+from gptoss_serve.engine.kv_cache import KvCacheTensors, allocate_kv_cache
 from gptoss_serve.engine.kv_manager import NO_BLOCK, SLIDING_GROUP, KvCacheManager
 from gptoss_serve.engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from gptoss_serve.engine.scheduler import Scheduler
@@ -15,6 +20,8 @@ from gptoss_serve.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from gptoss_serve.engine.synthetic_weights import synthetic_weights
+from gptoss_serve.engine.weights import ModelWeights
 
 STOP = 0  # the fake model's stop token
 
@@ -263,3 +270,20 @@ def decode_step(step: int, contexts: list[int]) -> SchedulerOutput:
         step=step, scheduled=scheduled, num_decodes=len(scheduled), preempted_request_ids=(),
         finished_request_ids=(),
     )  # fmt: skip
+
+
+def tiny_model(
+    num_blocks: int,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **shape: int,
+) -> tuple[ModelConfig, ModelWeights, KvCacheTensors]:
+    """Random weights of the tiny preset (``shape``: its overrides; hidden 64, intermediate 64
+    and 8 experts if none) and a paged KV cache of ``num_blocks`` blocks in each group."""
+    overrides = shape or {"hidden": 64, "intermediate": 64, "experts": 8}
+    config = ModelConfig.from_dict(preset_config("tiny", **overrides))
+    weights = synthetic_weights(config, device=device, dtype=dtype)
+    kv = allocate_kv_cache(config, num_full_blocks=num_blocks, num_sliding_blocks=num_blocks,
+                           device=device, dtype=dtype)  # fmt: skip
+    return config, weights, kv

@@ -8,24 +8,17 @@ import dataclasses
 
 import pytest
 import torch
-from factories import decode_step
+from factories import decode_step, tiny_model
 
-from gptoss_serve.checkpoint.presets import preset_config
-from gptoss_serve.config import ModelConfig
 from gptoss_serve.engine.cuda_graphs import graph_batch_sizes
 from gptoss_serve.engine.forward import forward
 from gptoss_serve.engine.input_batch import InputBatch
-from gptoss_serve.engine.kv_cache import allocate_kv_cache
 from gptoss_serve.engine.ops import REFERENCE_OPS
-from gptoss_serve.engine.synthetic_weights import synthetic_weights
 from gptoss_serve.kernels.moe import mxfp4_moe_reference
 
 
 def test_a_padded_step_gives_its_real_rows_the_unpadded_logits() -> None:
-    config = ModelConfig.from_dict(preset_config("tiny", hidden=64, intermediate=64, experts=8))
-    weights = synthetic_weights(config, device="cpu", dtype=torch.float32)
-    kv = allocate_kv_cache(config, num_full_blocks=256, num_sliding_blocks=256, device="cpu",
-                           dtype=torch.float32)  # fmt: skip
+    config, weights, kv = tiny_model(256)
     calls = []
 
     def moe(x: torch.Tensor, layer_weights, **kwargs) -> torch.Tensor:

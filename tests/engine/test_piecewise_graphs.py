@@ -10,18 +10,16 @@ import dataclasses
 
 import pytest
 import torch
+from factories import tiny_model
 
-from gptoss_serve.checkpoint.presets import preset_config
-from gptoss_serve.config import EngineConfig, ModelConfig, SchedulerConfig
+from gptoss_serve.config import EngineConfig, SchedulerConfig
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
 from gptoss_serve.engine.forward import attend, final_logits, forward
 from gptoss_serve.engine.input_batch import InputBatch
-from gptoss_serve.engine.kv_cache import allocate_kv_cache
 from gptoss_serve.engine.model_runner import ModelRunner
 from gptoss_serve.engine.ops import KERNEL_OPS, REFERENCE_OPS
 from gptoss_serve.engine.piecewise_graphs import PiecewiseGraphs, piece_sizes
 from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from gptoss_serve.engine.synthetic_weights import synthetic_weights
 from gptoss_serve.kernels.moe import mxfp4_moe_reference
 
 
@@ -82,10 +80,7 @@ def test_a_step_padded_at_its_end_keeps_its_own_metadata() -> None:
 
 
 def test_the_pieces_give_the_real_rows_the_whole_forward_passes_logits() -> None:
-    config = ModelConfig.from_dict(preset_config("tiny", hidden=64, intermediate=64, experts=8))
-    weights = synthetic_weights(config, device="cpu", dtype=torch.float32)
-    kv = allocate_kv_cache(config, num_full_blocks=512, num_sliding_blocks=512, device="cpu",
-                           dtype=torch.float32)  # fmt: skip
+    config, weights, kv = tiny_model(512)
     valid_counts = []
 
     def moe(x: torch.Tensor, layer_weights, **kwargs) -> torch.Tensor:
@@ -115,14 +110,11 @@ def test_the_pieces_give_the_real_rows_the_whole_forward_passes_logits() -> None
 @pytest.mark.gpu
 def test_the_graphs_replay_what_the_pieces_compute_eagerly() -> None:
     pytest.importorskip("triton")
-    config = ModelConfig.from_dict(preset_config(
-        "tiny", hidden=512, intermediate=256, experts=4, experts_per_token=4, heads=16,
-        kv_heads=4, head_dim=64, layers=4,
-    ))  # fmt: skip
     device = torch.device("cuda")
-    weights = synthetic_weights(config, device=device, dtype=torch.bfloat16)
-    kv = allocate_kv_cache(config, num_full_blocks=512, num_sliding_blocks=512, device=device,
-                           dtype=torch.bfloat16)  # fmt: skip
+    _, weights, kv = tiny_model(
+        512, device=device, dtype=torch.bfloat16, hidden=512, intermediate=256, experts=4,
+        experts_per_token=4, heads=16, kv_heads=4, head_dim=64, layers=4,
+    )  # fmt: skip
     batch = _batch(device)
     pieces = PiecewiseGraphs((16, 32), weights, kv, KERNEL_OPS)
     empty = SchedulerOutput(step=-1, scheduled=(), num_decodes=0, preempted_request_ids=(),
@@ -165,10 +157,7 @@ class _EagerPieces(PiecewiseGraphs):
 
 
 def test_the_runner_takes_the_pieces_for_steps_that_fit_them() -> None:
-    config = ModelConfig.from_dict(preset_config("tiny", hidden=64, intermediate=64, experts=8))
-    weights = synthetic_weights(config, device="cpu", dtype=torch.float32)
-    kv = allocate_kv_cache(config, num_full_blocks=512, num_sliding_blocks=512, device="cpu",
-                           dtype=torch.float32)  # fmt: skip
+    _, weights, kv = tiny_model(512)
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024)
     runner = ModelRunner(weights, kv, scheduler, ops=REFERENCE_OPS, use_cuda_graphs=False)
     assert runner.pieces is None  # no graphs on a CPU

@@ -69,11 +69,11 @@ class PiecewiseGraphs:
     def num_pieces(self) -> int:
         return len(self.weights.layers) + 1
 
-    def capture(self, prepare: Callable[[int], StepInputs], pool=None):
+    def capture(self, prepare: Callable[[int], StepInputs], pool=None) -> None:
         """``prepare(size)``: a step of ``size`` padding rows in the runner's buffers (their
         device views are the ones every step of that size reads). Largest size first; each
         piece runs once outside its graph (Triton compiles, cuBLAS picks its algorithms).
-        ``pool``: the decode graphs' memory pool to share. Returns the pool used."""
+        ``pool``: the decode graphs' memory pool to share (None: the first graph's own)."""
         started = time.perf_counter()
         for size in reversed(self.sizes):
             inputs = prepare(size)
@@ -93,7 +93,6 @@ class PiecewiseGraphs:
                     "%.1fs", self.num_pieces * len(self.sizes), self.num_pieces,
                     len(self.sizes), self.sizes[0], self.sizes[-1],
                     time.perf_counter() - started)  # fmt: skip
-        return pool
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The smallest captured size holding ``num_tokens`` rows (None: too many)."""
