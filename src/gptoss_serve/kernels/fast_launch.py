@@ -79,6 +79,9 @@ class FastLauncher:
         self.kernel = kernel
         # Under TRITON_INTERPRET the kernels are InterpretedFunctions: always through Triton.
         self.direct = isinstance(kernel, JITFunction)
+        # Triton's runtime knobs, read for its launch hooks on every call (one object, whose
+        # hook attributes a profiler sets and clears).
+        self.runtime = _runtime_knobs()
         self.names: list[str] = []
         self.defaults: dict[str, Any] = {}
         self.constexprs: tuple[bool, ...] = ()  # per parameter: a constexpr, keyed by value
@@ -99,7 +102,10 @@ class FastLauncher:
         key = self._key(grid, args, kwargs)
         if key is None:
             return self.kernel[grid](*args, **kwargs)
-        found = self.compiled.get(key)
+        try:
+            found = self.compiled.get(key)
+        except TypeError:  # an unhashable keyword value, or an argument of another type
+            return self.kernel[grid](*args, **kwargs)
         if found is None:
             compiled = self.kernel[grid](*args, **kwargs)
             if len(self.compiled) < MAX_SIGNATURES and _launchable(compiled):
@@ -126,19 +132,15 @@ class FastLauncher:
         return compiled
 
     def _key(self, grid, args: tuple, kwargs: dict) -> tuple | None:
-        if not (_enabled and self.direct and isinstance(grid, tuple)) or _hooks_set():
+        """The call's signature (None: through Triton); it may hold an unhashable value."""
+        if not (_enabled and self.direct and isinstance(grid, tuple)) or _hooks_set(self.runtime):
             return None
         if len(args) > len(self.constexprs):
             return None
         constexprs = self.constexprs[: len(args)]
         spec = [_spec(value, exact=c) for value, c in zip(args, constexprs, strict=True)]
         spec.extend((name, _spec(value, exact=True)) for name, value in kwargs.items())
-        key = (torch.cuda.current_device(), *spec)
-        try:
-            hash(key)
-        except TypeError:  # an unhashable keyword value, or an argument of another type
-            return None
-        return key
+        return (torch.cuda.current_device(), *spec)
 
     def _check(self, compiled, args: tuple, kwargs: dict) -> None:
         """Triton's own choice of compiled kernel for this call (JITFunction.run's binding)."""
@@ -185,11 +187,14 @@ def _spec(value: Any, *, exact: bool = False) -> Any:
     return _UNKEYED
 
 
-def _hooks_set() -> bool:
-    """Triton's launch hooks (a profiler's): since 3.5 empty HookChains when none is set."""
-    from triton import knobs  # noqa: PLC0415
+def _runtime_knobs():
+    from triton import knobs  # noqa: PLC0415 (GPU-only dependency)
 
-    runtime = knobs.runtime
+    return knobs.runtime
+
+
+def _hooks_set(runtime) -> bool:
+    """Triton's launch hooks (a profiler's): since 3.5 empty HookChains when none is set."""
     return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
