@@ -3,7 +3,7 @@ before the forward pass, the host issuing it, the device running it, and what fo
 
     python bench/prefill_gap.py [--lengths 2048 8192] [--trials 7] [--profile-host DIR]
                                 [--graphs] [--piecewise-max-tokens N]
-                                [--ab-pieces | --ab-launch]
+                                [--ab-pieces | --ab-launch | --ab-warm]
                                 [--out bench/results/prefill_gap.json]
 
 Each prompt runs to its first token as `gptoss-serve bench` times it (``Scenario.run``), with
@@ -19,7 +19,9 @@ CUDA events around the runner's forward call, in two ways taken in turn:
 ``paced gpu - queued gpu`` is what the host's pace costs the device; ``wall - queued gpu`` is
 everything the kernels do not explain. ``--ab-pieces`` (with the graphs) also runs each trial
 eagerly instead of on the piecewise graphs, ``--ab-launch`` with every Triton launch through
-Triton's binding (kernels/fast_launch.py off); the two ways alternate within the process.
+Triton's binding (kernels/fast_launch.py off), ``--ab-warm`` paced right after ~200 ms of
+matmuls (is the paced run's slower device the idle device's clocks?); the ways alternate
+within the process.
 """
 
 from __future__ import annotations
@@ -110,10 +112,26 @@ class ForwardTimer:
                 for host, event in self.marks]  # fmt: skip
 
 
+def warm_device(milliseconds: float = 200.0) -> None:
+    """Tensor-core work for about ``milliseconds``, finished before returning: the device
+    comes out of it busy, as under load, not idle as between the bench's requests."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    a @ a
+    stop.record()
+    torch.cuda.synchronize()
+    for _ in range(max(1, int(milliseconds / max(start.elapsed_time(stop), 1e-3)))):
+        a @ a
+    torch.cuda.synchronize()
+
+
 def one_prefill(make_core, vocab_size: int, length: int, seed: int, *, queued: bool,
-                runner) -> dict:  # fmt: skip
+                runner, warm: bool = False) -> dict:  # fmt: skip
     scenario = eb.Scenario(make_core, vocab_size, seed=seed)
     scenario.add("prefill", length, 1)
+    if warm:
+        warm_device()
     with ForwardTimer(runner, queued=queued) as timer:
         started = time.perf_counter()
         wall = scenario.run()
@@ -191,6 +209,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ab-launch", action="store_true",
                         help="also run each trial with every launch through Triton's binding "
                              "(kernels/fast_launch.py off)")  # fmt: skip
+    parser.add_argument("--ab-warm", action="store_true",
+                        help="also run each paced trial right after ~200 ms of matmuls (a busy "
+                             "device's clocks, not an idle one's)")  # fmt: skip
     parser.add_argument("--profile-host", type=Path, default=None,
                         help="also write cProfile's stats of one queued prefill of each length "
                              "(the host issuing it) under this folder")  # fmt: skip
@@ -222,7 +243,11 @@ def main() -> int:
             figures, lines["queued"] = one_prefill(make_core, vocab, length, 100 + trial,
                                                    queued=True, runner=runner)  # fmt: skip
             queued.append(figures)
-            if args.ab_launch or args.ab_pieces:  # the same, the other way
+            if args.ab_warm:  # paced, on a device just busy
+                warmed = one_prefill(make_core, vocab, length, 10 + trial, queued=False,
+                                     runner=runner, warm=True)  # fmt: skip
+                other_paced.append(warmed[0])
+            elif args.ab_launch or args.ab_pieces:  # the same, the other way
                 pieces = runner.pieces
                 if args.ab_launch:  # every launch through Triton's own binding
                     fast_launch.set_enabled(False)
@@ -237,7 +262,12 @@ def main() -> int:
         row = {"tokens": length, "paced": summarise(paced), "queued": summarise(queued),
                "last_trial_norm_marks_ms": {k: [[round(h, 3), round(g, 3)] for h, g in v]
                                             for k, v in lines.items()}}  # fmt: skip
-        if args.ab_launch or args.ab_pieces:
+        if args.ab_warm:
+            row["warmed"] = {"paced": summarise(other_paced)}
+            med = {k: statistics.median(t[k] for t in other_paced) for k in ("wall_ms", "gpu_ms")}
+            logger.info("  warmed: wall %.2f ms (%.0f tok/s), gpu %.2f", med["wall_ms"],
+                        length / med["wall_ms"] * 1e3, med["gpu_ms"])  # fmt: skip
+        elif args.ab_launch or args.ab_pieces:
             other = "triton_launch" if args.ab_launch else "eager"
             row[other] = {"paced": summarise(other_paced), "queued": summarise(other_queued)}
             tp, tq = (statistics.median(t["wall_ms"] for t in other_paced),
