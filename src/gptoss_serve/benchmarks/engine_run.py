@@ -87,6 +87,7 @@ def run_engine_bench(
         "settings": {"max_num_seqs": config.scheduler.max_num_seqs,
                      "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
                      "decode_tokens": decode_tokens, "cuda_graphs": config.use_cuda_graphs,
+                     "piecewise_max_tokens": config.piecewise_max_tokens,
                      "programmatic_launch": config.programmatic_launch,
                      "async_scheduling": config.async_scheduling,
                      "kv_cache_dtype": config.kv_cache_dtype},
