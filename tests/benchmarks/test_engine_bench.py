@@ -1,13 +1,20 @@
 """The engine bench (benchmarks/engine_bench.py, engine_run.py) without a GPU: its ceilings
-(engine.json's H200 figures, an H100's from its own rates) and the seats it asks for."""
+(engine.json's H200 figures, an H100's from its own rates), the seats it asks for, and the
+heap it runs the scenarios with."""
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import pytest
+import torch
 
 from gptoss_serve.benchmarks import engine_bench as eb
+from gptoss_serve.benchmarks import engine_run
 from gptoss_serve.checkpoint.presets import preset_config
-from gptoss_serve.config import ModelConfig
+from gptoss_serve.config import EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
+from gptoss_serve.engine.weights import load_weights
 
 
 def test_ceilings_follow_the_card() -> None:
@@ -35,3 +42,34 @@ def test_ceilings_follow_the_card() -> None:
     ]
     assert 1 < gains[0] < gains[1]
     assert eb.prefill_ceiling_tok_s(config, h100) > eb.prefill_ceiling_tok_s(config, h200)
+
+
+def test_the_scenarios_run_with_the_start_up_heap_frozen(
+    checkpoint_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As the server runs them (server/app.py): a full collection during a figure walks only
+    # what its requests made, and the heap is thawed once the figures are in.
+    weights = load_weights(checkpoint_dirs["tiny8"], device="cpu", dtype=torch.float32,
+                           progress=False)  # fmt: skip
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=256),
+        kv_cache_tokens=2048, reference_ops=True, use_cuda_graphs=False,
+    )  # fmt: skip
+    frozen_before = gc.get_freeze_count()
+    seen = []
+
+    def figures(make_core, *args, **kwargs) -> list:
+        seen.append(gc.get_freeze_count())
+        core = make_core()  # the built engine serves
+        core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, seed=0))
+        while core.has_unfinished_requests:
+            core.step()
+        return []
+
+    monkeypatch.setattr(engine_run, "_figures", figures)
+    results = engine_run.run_engine_bench(weights, "tiny8", config, decode_tokens=4,
+                                          throughput_seqs=4, commit="abc")  # fmt: skip
+    assert seen and seen[0] > frozen_before
+    assert gc.get_freeze_count() == frozen_before
+    assert results["settings"]["piecewise_max_tokens"] == config.piecewise_max_tokens
+    assert results["commit"] == "abc" and results["figures"] == []
