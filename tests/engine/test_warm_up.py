@@ -59,4 +59,5 @@ def test_prefill_sizes_meet_the_halfway_rows() -> None:
     sizes = startup.warm_up_prefill_sizes(8192)
     assert {16, 24, 256, 384, 1024, 1536, 6144, 8192} <= set(sizes)
     assert max(sizes) == 8192 and sizes == sorted(set(sizes))
-    assert startup.warm_up_prefill_sizes(100) == [16, 24, 32, 48, 64, 96, 100]
+    assert startup.warm_up_prefill_sizes(100) == [*range(1, 17), 24, 32, 48, 64, 96, 100]
+    assert startup.warm_up_prefill_sizes(8) == list(range(1, 9))

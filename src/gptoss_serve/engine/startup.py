@@ -307,12 +307,15 @@ def warm_up(runner: ModelRunner, scheduler: SchedulerConfig, plan: KvCachePlan) 
 
 
 def warm_up_prefill_sizes(budget: int) -> list[int]:
-    """Prefill-only step sizes: powers of two from 16 and the halfway sizes between them (the
-    MoE's tile rows by token count, 128 / 384 / 1024 ..., and its constexprs by powers of two
-    of the pairs all meet one), and the whole token budget."""
+    """Prefill-only step sizes: every size below 16 (the decode router's token buckets, 1, 2,
+    4, 8 and 16 rows, each with a count Triton specialises or not: a prompt whose prefix is
+    cached leaves a step of a few tokens), powers of two from 16 and the halfway sizes between
+    them (the MoE's tile rows by token count, 128 / 384 / 1024 ..., and its constexprs by
+    powers of two of the pairs all meet one), and the whole token budget."""
     powers = [1 << i for i in range(4, budget.bit_length())]
     halfway = [p + p // 2 for p in powers if p + p // 2 <= budget]
-    return sorted({*powers, *halfway, budget})
+    small = range(1, min(16, budget + 1))
+    return sorted({*small, *powers, *halfway, budget})
 
 
 def warm_up_mixed_shapes(scheduler: SchedulerConfig) -> list[tuple[int, int]]:
