@@ -51,10 +51,12 @@ def run_engine_bench(
                    plan.max_num_tokens)  # fmt: skip
     # As the server runs (server/app.py): the start-up heap out of the garbage collector, so
     # a full collection (~150 ms holding the GIL) walks only what the requests made.
-    with frozen_startup_heap():
-        figures = _figures(make_core, weights, config, plan, decode_tokens=decode_tokens,
-                           throughput_seqs=throughput_seqs)  # fmt: skip
     device = torch.cuda.get_device_name(weights.device) if weights.device.type == "cuda" else "cpu"
+    with frozen_startup_heap():
+        figures = _figures(
+            make_core, weights, config, plan, device=device, decode_tokens=decode_tokens,
+            throughput_seqs=throughput_seqs,
+        )  # fmt: skip
     return {
         "device": device, "commit": commit,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -72,11 +74,11 @@ def run_engine_bench(
 
 def _figures(
     make_core: Callable[[], EngineCore], weights: ModelWeights, config: EngineConfig,
-    plan: KvCachePlan, *, decode_tokens: int, throughput_seqs: int,
+    plan: KvCachePlan, *, device: str, decode_tokens: int, throughput_seqs: int,
 ) -> list[eb.Figure]:  # fmt: skip
-    """Every scenario of engine_bench.py on the built engine, in the table's order."""
+    """Every scenario of engine_bench.py on the built engine, in the table's order, with
+    the ceilings of ``device`` (its name)."""
     model = weights.config
-    device = torch.cuda.get_device_name(weights.device) if weights.device.type == "cuda" else "cpu"
     rates = eb.device_rates(device)
     kv_bytes = cache_dtype(config.kv_cache_dtype, weights.dtype).itemsize
     figures = []
