@@ -14,6 +14,7 @@ from factories import tiny_model
 
 from gptoss_serve.config import EngineConfig, SchedulerConfig
 from gptoss_serve.engine.block_pool import BLOCK_SIZE
+from gptoss_serve.engine.cuda_graphs import smallest_holding
 from gptoss_serve.engine.forward import attend, final_logits, forward
 from gptoss_serve.engine.input_batch import InputBatch
 from gptoss_serve.engine.model_runner import ModelRunner
@@ -149,7 +150,7 @@ class _EagerPieces(PiecewiseGraphs):
         self.runs: list[tuple[int, int]] = []
 
     def padded_size(self, num_tokens: int) -> int | None:
-        return next((size for size in self.sizes if size >= num_tokens), None)
+        return smallest_holding(self.sizes, num_tokens)  # captured or not
 
     def run(self, size, num_tokens, inputs, attend):
         self.runs.append((size, num_tokens))

@@ -27,6 +27,12 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return (*capped, max_num_seqs)
 
 
+def smallest_holding(sizes: tuple[int, ...], rows: int) -> int | None:
+    """The smallest of the ascending ``sizes`` that holds ``rows`` rows (None: none does)."""
+    index = bisect.bisect_left(sizes, rows)
+    return sizes[index] if index < len(sizes) else None
+
+
 class DecodeGraphs:
     def __init__(self, batch_sizes: tuple[int, ...]) -> None:
         self.batch_sizes = tuple(sorted(batch_sizes))
@@ -79,10 +85,7 @@ class DecodeGraphs:
 
     def padded_size(self, num_decodes: int) -> int | None:
         """The smallest captured size holding ``num_decodes`` rows (None: too many)."""
-        index = bisect.bisect_left(self.batch_sizes, num_decodes)
-        if index == len(self.batch_sizes) or not self._graphs:
-            return None
-        return self.batch_sizes[index]
+        return smallest_holding(self.batch_sizes, num_decodes) if self._graphs else None
 
     def replay(self, size: int) -> torch.Tensor:
         graph, logits = self._graphs[size]

@@ -20,13 +20,13 @@ step's rows.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable
 
 import torch
 
+from gptoss_serve.engine.cuda_graphs import smallest_holding
 from gptoss_serve.engine.forward import first_piece, next_piece
 from gptoss_serve.engine.input_batch import StepInputs
 from gptoss_serve.engine.kv_cache import KvCacheTensors
@@ -96,10 +96,7 @@ class PiecewiseGraphs:
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The smallest captured size holding ``num_tokens`` rows (None: too many)."""
-        index = bisect.bisect_left(self.sizes, num_tokens)
-        if index == len(self.sizes) or not self._graphs:
-            return None
-        return self.sizes[index]
+        return smallest_holding(self.sizes, num_tokens) if self._graphs else None
 
     def run(
         self, size: int, num_tokens: int, inputs: StepInputs, attend: Attend
@@ -109,23 +106,25 @@ class PiecewiseGraphs:
         MoE's output and the residual, [size, H] (rows past ``num_tokens`` are padding)."""
         del inputs  # read by the graphs from the buffers they were captured over
         graphs = self._graphs[size]
-        graphs[0].replay()
-        q, out = self._q[:num_tokens], self._attention[:num_tokens]
-        for index, graph in enumerate(graphs[1:]):
-            attend(index, q, out)
-            graph.replay()
-        return self._x[:size], self._residual[:size]
+        return self._run_pieces(size, num_tokens, attend, lambda piece: graphs[piece].replay())
 
     def run_eagerly(
         self, size: int, num_tokens: int, inputs: StepInputs, attend: Attend
     ) -> tuple[torch.Tensor, ...]:
         """``run`` with the pieces launched eagerly instead of replayed: the same work, on any
         device (tests compare it with engine/forward.py's ``forward`` on CPU)."""
+        return self._run_pieces(size, num_tokens, attend,
+                                lambda piece: self._run_piece(piece, size, inputs))  # fmt: skip
+
+    def _run_pieces(
+        self, size: int, num_tokens: int, attend: Attend, launch: Callable[[int], None]
+    ) -> tuple[torch.Tensor, ...]:
+        """``launch(piece)`` for every piece, each layer's attention between two of them."""
         q, out = self._q[:num_tokens], self._attention[:num_tokens]
         for piece in range(self.num_pieces):
             if piece:
                 attend(piece - 1, q, out)
-            self._run_piece(piece, size, inputs)
+            launch(piece)
         return self._x[:size], self._residual[:size]
 
     def _run_piece(self, piece: int, size: int, inputs: StepInputs) -> None:
