@@ -17,6 +17,7 @@ the engine's Triton kernel for the same pairs. TFLOP/s of the 2 · 8192 · 5760 
 # ruff: noqa: N803, N806, PLR0917
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 
@@ -45,7 +46,11 @@ E, N, K, COLS, TOKENS = 128, 5760, 2880, 64, 2048
 _N, _COLS = gl.constexpr(N), gl.constexpr(COLS)  # in the kernel
 STEPS = triton.cdiv(K, 256)  # 12 steps of 256 columns; TMA reads zeros past K
 # (warps: 64 rows per warp group, ring buffers, maxnreg)
-CONFIGS = [(4, 2, None), (4, 3, None), (8, 2, None), (8, 3, None), (4, 2, 128)]
+CONFIGS = [(4, 2, None), (8, 2, None), (8, 3, None)]
+# Warp-specialized (_ws_gate_up_kernel; 128 rows): (ring buffers, the second consumer's
+# registers, the kernel's maxnreg). 2 buffers (96 KB) with maxnreg 80 let two programs share
+# an SM; without a cap the launch takes 168 registers a thread (12 warps) and one program an SM.
+WS_CONFIGS = [(2, 120, None), (3, 160, None), (4, 232, None), (2, 104, 80), (2, 112, 80)]
 
 
 @gluon.jit
@@ -127,6 +132,106 @@ def _wgmma_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.con
     gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * _COLS + out_cols[None, :], acc)
 
 
+@gluon.jit
+def _ws_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
+                 NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr):  # fmt: skip
+    """Worker partition (1 warp): each step's TMA once both consumers freed its slot."""
+    for step in range(NUM_STEPS):
+        slot = step % NUM_BUFFERS
+        mbarrier.wait(empty.index(slot), (step // NUM_BUFFERS & 1) ^ 1)  # fresh: passes
+        _issue(w_desc, x_desc, w_bufs, x_bufs, ready, step, row0, col0, NUM_BUFFERS)
+
+
+@gluon.jit
+def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: gl.constexpr,
+                 NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr):  # fmt: skip
+    """One warp group (a partition of its own): rows [64·HALF, 64·HALF + 64) of the program's
+    tile, decoded from the ring into wgmma's register operand, one wgmma in flight while the
+    next group decodes; frees a slot (one arrive of the two) once its last wgmma is done."""
+    HM: gl.constexpr = 64
+    words_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 4],
+    )  # fmt: skip
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _COLS, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    scales_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 8],
+    )  # fmt: skip
+    first = row0 + HM * HALF
+    s_rows = first + gl.arange(0, HM, layout=gl.SliceLayout(1, scales_layout))
+    s_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, scales_layout))[None, :]
+    s_ptrs = scales_ptr + s_rows.to(gl.int64)[:, None] * 90 + s_cols
+    next_scales = gl.load(s_ptrs, mask=s_cols < 90, other=0).to(gl.int32)
+    zero_t = gl.zeros([1, 4], gl.int32, words_layout)
+    acc = gl.zeros([HM, _COLS], gl.float32, mma_layout)
+    for step in range(NUM_STEPS):
+        slot = step % NUM_BUFFERS
+        scales = next_scales
+        next_group = 8 * (step + 1) + s_cols
+        next_scales = gl.load(s_ptrs + 8 * (step + 1), mask=next_group < 90, other=0).to(gl.int32)
+        mbarrier.wait(ready.index(slot), step // NUM_BUFFERS & 1)
+        w_slot = w_bufs.index(slot).slice(HM * HALF, HM, dim=0)
+        for c in gl.static_range(8):
+            scale = gl.sum(gl.where(s_cols == c, scales, 0), axis=1)  # in registers
+            scale = gl.convert_layout(scale, gl.SliceLayout(1, words_layout))
+            mult = (scale[:, None] + zero_t + 64) * 0x00800080
+            words = w_slot.slice(4 * c, 4, dim=1).load(words_layout)
+            tile = _decode_words(words, mult)  # [HM, 4 t, h, a0, a1]
+            tile = gl.permute(tile, (0, 4, 3, 1, 2))  # m a1 a0 t h
+            a = gl.convert_layout(gl.reshape(tile, [HM, 32]), a_layout, assert_trivial=True)
+            b = x_bufs.index(slot * 4 + c // 2).slice((c % 2) * 32, 32, dim=1).permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # c == 0 (unrolled) and step > 0 (a runtime branch): the previous step's last
+            # wgmma is done, so this group frees its slot
+            if c == 0:  # noqa: SIM102
+                if step > 0:
+                    fence_async_shared()
+                    mbarrier.arrive(empty.index((step + NUM_BUFFERS - 1) % NUM_BUFFERS),
+                                    count=1)  # fmt: skip
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    out_rows = first + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_layout))
+    out_cols = gl.arange(0, _COLS, layout=gl.SliceLayout(0, mma_layout))
+    gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * _COLS + out_cols[None, :], acc)
+
+
+@gluon.jit
+def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.constexpr,
+                       NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
+    """``_wgmma_gate_up_kernel``'s product, warp-specialized: a 1-warp TMA producer and two
+    consumer warp groups of 64 rows each on the same activation tiles, coupled only through
+    the ring's (ready, empty) mbarriers: no barrier across the program's warps."""
+    BM: gl.constexpr = w_desc.block_type.shape[0]
+    gl.static_assert(BM == 128)
+    row0 = gl.program_id(1) * _N + gl.program_id(0) * BM  # expert e = program_id(1)
+    col0 = gl.program_id(1) * _COLS
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUFFERS, BM, 32], w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_BUFFERS * 4, _COLS, 64], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
+                            NUM_STEPS, NUM_BUFFERS)),
+            (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
+                            NUM_STEPS, NUM_BUFFERS)),
+            (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
+                            NUM_STEPS, NUM_BUFFERS)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip
+
+
 def virtual_rows(x: torch.Tensor) -> torch.Tensor:
     """[T, K] -> [T, STEPS · 256] in the decode's column order (moe_gluon_probe.virtual_order,
     row by row)."""
@@ -174,7 +279,18 @@ def main() -> int:
                      "max_rel": err})  # fmt: skip
 
     sys.stdout.write(f"{'gate_up, 2048 tokens':<44} {'us':>9} {'TFLOP/s':>8} {'max_rel':>8}\n")
-    # The engine's Triton kernel on the same pairs (its table row for 2048 tokens).
+    ws_only = os.environ.get("WS_ONLY")  # one WS_CONFIGS row alone: a hang ends one process
+    w_words = blocks.view(torch.int32)
+    if ws_only is None:
+        rows.append(time_triton(x, pairs, blocks, scales, flop))
+        time_plain(w_words, xg, scales, out, check, report)
+    ws_configs = WS_CONFIGS if ws_only is None else [WS_CONFIGS[int(ws_only)]]
+    time_warp_specialized(w_words, xg, scales, out, check, report, ws_configs)
+    return write_rows(args.out, rows)
+
+
+def time_triton(x, pairs, blocks, scales, flop) -> dict:
+    """The engine's Triton kernel on the same pairs (its table row for 2048 tokens)."""
     tiles = small.decode_tiles_for(TOKENS)
     x_tile = small.tile_order(x, ORDER_WGMMA)
     width = x_tile.shape[1]
@@ -195,8 +311,11 @@ def main() -> int:
     tflops = flop / (us * 1e-6) / 1e12
     name = f"triton columns (engine row: {tiles.gate_up_rows} rows, {tiles.gate_up_warps} warps)"
     sys.stdout.write(f"{name:<44} {us:9.1f} {tflops:8.1f} {'(swiglu)':>8}\n")
-    rows.append({"config": name, "us": round(us, 1), "tflops": round(tflops, 1)})
-    w_words = blocks.view(torch.int32)
+    return {"config": name, "us": round(us, 1), "tflops": round(tflops, 1)}
+
+
+def time_plain(w_words, xg, scales, out, check, report) -> None:
+    """``_wgmma_gate_up_kernel`` in every CONFIGS row."""
     for warps, buffers, maxnreg in CONFIGS:
         bm = 16 * warps
         w_layout = gl.NVMMASharedLayout.get_default_for([bm, 32], gl.int32)
@@ -219,7 +338,32 @@ def main() -> int:
             continue
         got = {e: out[e * N : (e + 1) * N] * 2.0**62 for e in check}
         report(name, us, got)
-    return write_rows(args.out, rows)
+
+
+def time_warp_specialized(w_words, xg, scales, out, check, report, configs) -> None:
+    """``_ws_gate_up_kernel`` in each of ``configs`` (WS_CONFIGS rows), reported as main's."""
+    w_layout = gl.NVMMASharedLayout.get_default_for([128, 32], gl.int32)
+    w_desc = TensorDescriptor(w_words, list(w_words.shape), list(w_words.stride()), [128, 32],
+                              w_layout)  # fmt: skip
+    x_layout = gl.NVMMASharedLayout.get_default_for([COLS, 64], gl.bfloat16)
+    x_desc = TensorDescriptor(xg, list(xg.shape), list(xg.stride()), [COLS, 64], x_layout)
+    for buffers, regs, maxnreg in configs:
+        out.fill_(float("nan"))
+        options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
+
+        def ws_launch(buffers=buffers, regs=regs, options=options) -> None:
+            _ws_gate_up_kernel[(N // 128, E)](
+                w_desc, x_desc, scales, out, NUM_STEPS=STEPS, NUM_BUFFERS=buffers,
+                CONSUMER_REGS=regs, **options,
+            )  # fmt: skip
+
+        name = f"gluon ws 2+1 groups {buffers} buf {regs} regs maxnreg {maxnreg}"
+        try:
+            us = statistics.median(graph_time_ms(ws_launch, repeats=20)) * 1e3
+        except Exception as error:  # a shape that does not build: report it, go on
+            sys.stdout.write(f"{name}: {error!r}\n")
+            continue
+        report(name, us, {e: out[e * N : (e + 1) * N] * 2.0**62 for e in check})
 
 
 if __name__ == "__main__":
