@@ -48,9 +48,13 @@ STEPS = triton.cdiv(K, 256)  # 12 steps of 256 columns; TMA reads zeros past K
 # (warps: 64 rows per warp group, ring buffers, maxnreg)
 CONFIGS = [(4, 2, None), (8, 2, None), (8, 3, None)]
 # Warp-specialized (_ws_gate_up_kernel; 128 rows): (ring buffers, the second consumer's
-# registers, the kernel's maxnreg). 2 buffers (96 KB) with maxnreg 80 let two programs share
-# an SM; without a cap the launch takes 168 registers a thread (12 warps) and one program an SM.
-WS_CONFIGS = [(2, 120, None), (3, 160, None), (4, 232, None), (2, 104, 80), (2, 112, 80)]
+# registers, the kernel's maxnreg, each group decoded two wgmmas ahead). 2 buffers (96 KB) with
+# maxnreg 80 let two programs share an SM; without a cap the launch takes 168 registers a thread
+# (12 warps) and one program an SM.
+WS_CONFIGS = [
+    (2, 120, None, False), (3, 160, None, False), (4, 232, None, False), (2, 104, 80, False),
+    (2, 112, 80, False), (2, 104, 80, True), (2, 232, None, True), (4, 232, None, True),
+]  # fmt: skip
 
 
 @gluon.jit
@@ -201,8 +205,91 @@ def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: 
 
 
 @gluon.jit
+def _group_operand(w_slot, scales, c: gl.constexpr, s_cols, zero_t, words_layout: gl.constexpr,
+                   a_layout: gl.constexpr):  # fmt: skip
+    """Group c (32 columns) of a slot's rows, decoded into wgmma's register operand."""
+    scale = gl.sum(gl.where(s_cols == c, scales, 0), axis=1)  # in registers
+    scale = gl.convert_layout(scale, gl.SliceLayout(1, words_layout))
+    mult = (scale[:, None] + zero_t + 64) * 0x00800080
+    words = w_slot.slice(4 * c, 4, dim=1).load(words_layout)
+    tile = _decode_words(words, mult)  # [HM, 4 t, h, a0, a1]
+    tile = gl.permute(tile, (0, 4, 3, 1, 2))  # m a1 a0 t h
+    return gl.convert_layout(gl.reshape(tile, [tile.shape[0], 32]), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _ws_consumer_ahead(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                       HALF: gl.constexpr, NUM_STEPS: gl.constexpr,
+                       NUM_BUFFERS: gl.constexpr):  # fmt: skip
+    """``_ws_consumer`` with each group decoded two wgmmas ahead: ptxas serializes the wgmmas
+    (C7513) when a wgmma's register operand is written while the wgmma before it is in
+    flight, as in ``_ws_consumer``; here group c + 2 is decoded while wgmma c runs and c + 1
+    waits, so no operand of an in-flight pair is written. Groups 0 and 1 of the next step are
+    decoded at the end of this one (the next slot's wait moves there)."""
+    HM: gl.constexpr = 64
+    words_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 4],
+    )  # fmt: skip
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _COLS, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    scales_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 8],
+    )  # fmt: skip
+    first = row0 + HM * HALF
+    s_rows = first + gl.arange(0, HM, layout=gl.SliceLayout(1, scales_layout))
+    s_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, scales_layout))[None, :]
+    s_ptrs = scales_ptr + s_rows.to(gl.int64)[:, None] * 90 + s_cols
+    scales = gl.load(s_ptrs, mask=s_cols < 90, other=0).to(gl.int32)
+    next_scales = gl.load(s_ptrs + 8, mask=8 + s_cols < 90, other=0).to(gl.int32)
+    zero_t = gl.zeros([1, 4], gl.int32, words_layout)
+    acc = gl.zeros([HM, _COLS], gl.float32, mma_layout)
+    mbarrier.wait(ready.index(0), 0)
+    w_first = w_bufs.index(0).slice(HM * HALF, HM, dim=0)
+    a0 = _group_operand(w_first, scales, 0, s_cols, zero_t, words_layout, a_layout)
+    a1 = _group_operand(w_first, scales, 1, s_cols, zero_t, words_layout, a_layout)
+    for step in range(NUM_STEPS):
+        slot = step % NUM_BUFFERS
+        next_slot = (step + 1) % NUM_BUFFERS
+        w_slot = w_bufs.index(slot).slice(HM * HALF, HM, dim=0)
+        w_next = w_bufs.index(next_slot).slice(HM * HALF, HM, dim=0)
+        for c in gl.static_range(8):
+            b = x_bufs.index(slot * 4 + c // 2).slice((c % 2) * 32, 32, dim=1).permute((1, 0))
+            acc = warpgroup_mma(a0, b, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if c == 0:  # noqa: SIM102 (the previous step's last wgmma is done)
+                if step > 0:
+                    fence_async_shared()
+                    mbarrier.arrive(empty.index((step + NUM_BUFFERS - 1) % NUM_BUFFERS),
+                                    count=1)  # fmt: skip
+            if c == 5:  # the next step's slot: its words for groups 0 and 1 come next
+                mbarrier.wait(ready.index(next_slot), (step + 1) // NUM_BUFFERS & 1,
+                              pred=step + 1 < NUM_STEPS)  # fmt: skip
+            a0 = a1
+            if c < 6:
+                a1 = _group_operand(w_slot, scales, c + 2, s_cols, zero_t, words_layout,
+                                    a_layout)  # fmt: skip
+            else:  # groups 0 and 1 of the next step (garbage after the last: unused)
+                a1 = _group_operand(w_next, next_scales, c - 6, s_cols, zero_t, words_layout,
+                                    a_layout)  # fmt: skip
+        scales = next_scales
+        next_group = 8 * (step + 2) + s_cols
+        next_scales = gl.load(s_ptrs + 8 * (step + 2), mask=next_group < 90, other=0)
+        next_scales = next_scales.to(gl.int32)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    out_rows = first + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_layout))
+    out_cols = gl.arange(0, _COLS, layout=gl.SliceLayout(0, mma_layout))
+    gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * _COLS + out_cols[None, :], acc)
+
+
+@gluon.jit
 def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.constexpr,
-                       NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):  # fmt: skip
+                       NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       AHEAD: gl.constexpr = False):  # fmt: skip
     """``_wgmma_gate_up_kernel``'s product, warp-specialized: a 1-warp TMA producer and two
     consumer warp groups of 64 rows each on the same activation tiles, coupled only through
     the ring's (ready, empty) mbarriers: no barrier across the program's warps."""
@@ -218,18 +305,32 @@ def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.conste
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer
     fence_async_shared()
-    gl.warp_specialize(
-        [
-            (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
-                            NUM_STEPS, NUM_BUFFERS)),
-            (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
-                            NUM_STEPS, NUM_BUFFERS)),
-            (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
-                            NUM_STEPS, NUM_BUFFERS)),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, 24],
-    )  # fmt: skip
+    if AHEAD:
+        gl.warp_specialize(
+            [
+                (_ws_consumer_ahead, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                                      0, NUM_STEPS, NUM_BUFFERS)),
+                (_ws_consumer_ahead, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                                      1, NUM_STEPS, NUM_BUFFERS)),
+                (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
+                                NUM_STEPS, NUM_BUFFERS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
+                                NUM_STEPS, NUM_BUFFERS)),
+                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
+                                NUM_STEPS, NUM_BUFFERS)),
+                (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
+                                NUM_STEPS, NUM_BUFFERS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
 
 
 def virtual_rows(x: torch.Tensor) -> torch.Tensor:
@@ -347,17 +448,17 @@ def time_warp_specialized(w_words, xg, scales, out, check, report, configs) -> N
                               w_layout)  # fmt: skip
     x_layout = gl.NVMMASharedLayout.get_default_for([COLS, 64], gl.bfloat16)
     x_desc = TensorDescriptor(xg, list(xg.shape), list(xg.stride()), [COLS, 64], x_layout)
-    for buffers, regs, maxnreg in configs:
+    for buffers, regs, maxnreg, ahead in configs:
         out.fill_(float("nan"))
         options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
 
-        def ws_launch(buffers=buffers, regs=regs, options=options) -> None:
+        def ws_launch(buffers=buffers, regs=regs, options=options, ahead=ahead) -> None:
             _ws_gate_up_kernel[(N // 128, E)](
                 w_desc, x_desc, scales, out, NUM_STEPS=STEPS, NUM_BUFFERS=buffers,
-                CONSUMER_REGS=regs, **options,
+                CONSUMER_REGS=regs, AHEAD=ahead, **options,
             )  # fmt: skip
 
-        name = f"gluon ws 2+1 groups {buffers} buf {regs} regs maxnreg {maxnreg}"
+        name = f"gluon ws {buffers} buf {regs} regs maxnreg {maxnreg}{' ahead' * ahead}"
         try:
             us = statistics.median(graph_time_ms(ws_launch, repeats=20)) * 1e3
         except Exception as error:  # a shape that does not build: report it, go on
