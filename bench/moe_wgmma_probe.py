@@ -38,22 +38,24 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gptoss_serve.kernels import _moe_columns as columns
 from gptoss_serve.kernels import _moe_small as small
-from gptoss_serve.kernels._moe_gemv import ORDER_WGMMA
+from gptoss_serve.kernels import mxfp4_layout
+from gptoss_serve.kernels._moe_gemv import _DECODE_PERMUTED_PTX, ORDER_WGMMA
 from gptoss_serve.kernels.mxfp4 import dequantize_mxfp4
 from kernels import graph_time_ms
 
 E, N, K, COLS, TOKENS = 128, 5760, 2880, 64, 2048
 _N, _COLS = gl.constexpr(N), gl.constexpr(COLS)  # in the kernel
+_PERMUTED_PTX = gl.constexpr(_DECODE_PERMUTED_PTX.value)
 STEPS = triton.cdiv(K, 256)  # 12 steps of 256 columns; TMA reads zeros past K
 # (warps: 64 rows per warp group, ring buffers, maxnreg)
 CONFIGS = [(4, 2, None), (8, 2, None), (8, 3, None)]
 # Warp-specialized (_ws_gate_up_kernel; 128 rows): (ring buffers, the second consumer's
-# registers, the kernel's maxnreg, each group decoded two wgmmas ahead). 2 buffers (96 KB) with
-# maxnreg 80 let two programs share an SM; without a cap the launch takes 168 registers a thread
-# (12 warps) and one program an SM.
+# registers, the kernel's maxnreg, words in the permuted bit order). 2 buffers (96 KB) with
+# maxnreg 80-84 let two programs share an SM; without a cap the launch takes 168 registers a
+# thread (12 warps) and one program an SM.
 WS_CONFIGS = [
-    (2, 120, None, False), (3, 160, None, False), (4, 232, None, False), (2, 104, 80, False),
-    (2, 112, 80, False), (2, 104, 80, True), (2, 232, None, True), (4, 232, None, True),
+    (4, 232, None, False), (2, 112, 80, False), (2, 112, 80, True), (2, 104, 80, True),
+    (2, 120, 84, True), (2, 112, 84, True),
 ]  # fmt: skip
 
 
@@ -137,6 +139,21 @@ def _wgmma_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.con
 
 
 @gluon.jit
+def _decode(words, mult, PERMUTED: gl.constexpr):
+    """``moe_gluon_probe._decode_words``, or (PERMUTED) the same values from words in the
+    kernels' permuted bit order (mxfp4_layout.permute_words) by the engine's 12-instruction
+    decode (_moe_gemv._DECODE_PERMUTED_PTX) instead of 21."""
+    if PERMUTED:
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _PERMUTED_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, mult],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+        return gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)),
+                       gl.join(gl.join(o4, o5), gl.join(o6, o7)))  # fmt: skip
+    return _decode_words(words, mult)
+
+
+@gluon.jit
 def _ws_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
                  NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr):  # fmt: skip
     """Worker partition (1 warp): each step's TMA once both consumers freed its slot."""
@@ -148,7 +165,8 @@ def _ws_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
 
 @gluon.jit
 def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: gl.constexpr,
-                 NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr):  # fmt: skip
+                 NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                 PERMUTED: gl.constexpr):  # fmt: skip
     """One warp group (a partition of its own): rows [64·HALF, 64·HALF + 64) of the program's
     tile, decoded from the ring into wgmma's register operand, one wgmma in flight while the
     next group decodes; frees a slot (one arrive of the two) once its last wgmma is done."""
@@ -185,7 +203,7 @@ def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: 
             scale = gl.convert_layout(scale, gl.SliceLayout(1, words_layout))
             mult = (scale[:, None] + zero_t + 64) * 0x00800080
             words = w_slot.slice(4 * c, 4, dim=1).load(words_layout)
-            tile = _decode_words(words, mult)  # [HM, 4 t, h, a0, a1]
+            tile = _decode(words, mult, PERMUTED)  # [HM, 4 t, h, a0, a1]
             tile = gl.permute(tile, (0, 4, 3, 1, 2))  # m a1 a0 t h
             a = gl.convert_layout(gl.reshape(tile, [HM, 32]), a_layout, assert_trivial=True)
             b = x_bufs.index(slot * 4 + c // 2).slice((c % 2) * 32, 32, dim=1).permute((1, 0))
@@ -205,91 +223,9 @@ def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: 
 
 
 @gluon.jit
-def _group_operand(w_slot, scales, c: gl.constexpr, s_cols, zero_t, words_layout: gl.constexpr,
-                   a_layout: gl.constexpr):  # fmt: skip
-    """Group c (32 columns) of a slot's rows, decoded into wgmma's register operand."""
-    scale = gl.sum(gl.where(s_cols == c, scales, 0), axis=1)  # in registers
-    scale = gl.convert_layout(scale, gl.SliceLayout(1, words_layout))
-    mult = (scale[:, None] + zero_t + 64) * 0x00800080
-    words = w_slot.slice(4 * c, 4, dim=1).load(words_layout)
-    tile = _decode_words(words, mult)  # [HM, 4 t, h, a0, a1]
-    tile = gl.permute(tile, (0, 4, 3, 1, 2))  # m a1 a0 t h
-    return gl.convert_layout(gl.reshape(tile, [tile.shape[0], 32]), a_layout, assert_trivial=True)
-
-
-@gluon.jit
-def _ws_consumer_ahead(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
-                       HALF: gl.constexpr, NUM_STEPS: gl.constexpr,
-                       NUM_BUFFERS: gl.constexpr):  # fmt: skip
-    """``_ws_consumer`` with each group decoded two wgmmas ahead: ptxas serializes the wgmmas
-    (C7513) when a wgmma's register operand is written while the wgmma before it is in
-    flight, as in ``_ws_consumer``; here group c + 2 is decoded while wgmma c runs and c + 1
-    waits, so no operand of an in-flight pair is written. Groups 0 and 1 of the next step are
-    decoded at the end of this one (the next slot's wait moves there)."""
-    HM: gl.constexpr = 64
-    words_layout: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 4],
-    )  # fmt: skip
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _COLS, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    scales_layout: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 8],
-    )  # fmt: skip
-    first = row0 + HM * HALF
-    s_rows = first + gl.arange(0, HM, layout=gl.SliceLayout(1, scales_layout))
-    s_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, scales_layout))[None, :]
-    s_ptrs = scales_ptr + s_rows.to(gl.int64)[:, None] * 90 + s_cols
-    scales = gl.load(s_ptrs, mask=s_cols < 90, other=0).to(gl.int32)
-    next_scales = gl.load(s_ptrs + 8, mask=8 + s_cols < 90, other=0).to(gl.int32)
-    zero_t = gl.zeros([1, 4], gl.int32, words_layout)
-    acc = gl.zeros([HM, _COLS], gl.float32, mma_layout)
-    mbarrier.wait(ready.index(0), 0)
-    w_first = w_bufs.index(0).slice(HM * HALF, HM, dim=0)
-    a0 = _group_operand(w_first, scales, 0, s_cols, zero_t, words_layout, a_layout)
-    a1 = _group_operand(w_first, scales, 1, s_cols, zero_t, words_layout, a_layout)
-    for step in range(NUM_STEPS):
-        slot = step % NUM_BUFFERS
-        next_slot = (step + 1) % NUM_BUFFERS
-        w_slot = w_bufs.index(slot).slice(HM * HALF, HM, dim=0)
-        w_next = w_bufs.index(next_slot).slice(HM * HALF, HM, dim=0)
-        for c in gl.static_range(8):
-            b = x_bufs.index(slot * 4 + c // 2).slice((c % 2) * 32, 32, dim=1).permute((1, 0))
-            acc = warpgroup_mma(a0, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if c == 0:  # noqa: SIM102 (the previous step's last wgmma is done)
-                if step > 0:
-                    fence_async_shared()
-                    mbarrier.arrive(empty.index((step + NUM_BUFFERS - 1) % NUM_BUFFERS),
-                                    count=1)  # fmt: skip
-            if c == 5:  # the next step's slot: its words for groups 0 and 1 come next
-                mbarrier.wait(ready.index(next_slot), (step + 1) // NUM_BUFFERS & 1,
-                              pred=step + 1 < NUM_STEPS)  # fmt: skip
-            a0 = a1
-            if c < 6:
-                a1 = _group_operand(w_slot, scales, c + 2, s_cols, zero_t, words_layout,
-                                    a_layout)  # fmt: skip
-            else:  # groups 0 and 1 of the next step (garbage after the last: unused)
-                a1 = _group_operand(w_next, next_scales, c - 6, s_cols, zero_t, words_layout,
-                                    a_layout)  # fmt: skip
-        scales = next_scales
-        next_group = 8 * (step + 2) + s_cols
-        next_scales = gl.load(s_ptrs + 8 * (step + 2), mask=next_group < 90, other=0)
-        next_scales = next_scales.to(gl.int32)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    out_rows = first + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_layout))
-    out_cols = gl.arange(0, _COLS, layout=gl.SliceLayout(0, mma_layout))
-    gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * _COLS + out_cols[None, :], acc)
-
-
-@gluon.jit
 def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.constexpr,
                        NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       AHEAD: gl.constexpr = False):  # fmt: skip
+                       PERMUTED: gl.constexpr = False):  # fmt: skip
     """``_wgmma_gate_up_kernel``'s product, warp-specialized: a 1-warp TMA producer and two
     consumer warp groups of 64 rows each on the same activation tiles, coupled only through
     the ring's (ready, empty) mbarriers: no barrier across the program's warps."""
@@ -305,32 +241,18 @@ def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.conste
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer
     fence_async_shared()
-    if AHEAD:
-        gl.warp_specialize(
-            [
-                (_ws_consumer_ahead, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
-                                      0, NUM_STEPS, NUM_BUFFERS)),
-                (_ws_consumer_ahead, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
-                                      1, NUM_STEPS, NUM_BUFFERS)),
-                (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
-                                NUM_STEPS, NUM_BUFFERS)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, 24],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
-                                NUM_STEPS, NUM_BUFFERS)),
-                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
-                                NUM_STEPS, NUM_BUFFERS)),
-                (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
-                                NUM_STEPS, NUM_BUFFERS)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, 24],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
+                            NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+            (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
+                            NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+            (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
+                            NUM_STEPS, NUM_BUFFERS)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip
 
 
 def virtual_rows(x: torch.Tensor) -> torch.Tensor:
@@ -383,36 +305,48 @@ def main() -> int:
     ws_only = os.environ.get("WS_ONLY")  # one WS_CONFIGS row alone: a hang ends one process
     w_words = blocks.view(torch.int32)
     if ws_only is None:
-        rows.append(time_triton(x, pairs, blocks, scales, flop))
+        rows.extend(time_triton(x, pairs, blocks, scales, flop))
         time_plain(w_words, xg, scales, out, check, report)
     ws_configs = WS_CONFIGS if ws_only is None else [WS_CONFIGS[int(ws_only)]]
     time_warp_specialized(w_words, xg, scales, out, check, report, ws_configs)
     return write_rows(args.out, rows)
 
 
-def time_triton(x, pairs, blocks, scales, flop) -> dict:
-    """The engine's Triton kernel on the same pairs (its table row for 2048 tokens)."""
+def time_triton(x, pairs, blocks, scales, flop) -> list[dict]:
+    """The engine's Triton kernel on the same pairs (its table row for 2048 tokens), on the
+    checkpoint's rows and on the engine's layout (bands of 16 rows, words permuted: its
+    12-instruction decode, whole steps)."""
     tiles = small.decode_tiles_for(TOKENS)
     x_tile = small.tile_order(x, ORDER_WGMMA)
     width = x_tile.shape[1]
     h = torch.empty(E * COLS, width, dtype=torch.bfloat16, device="cuda")
     bias = torch.zeros(E, N, dtype=torch.bfloat16, device="cuda")
     group_expert = torch.arange(E, dtype=torch.int32, device="cuda")
+    rows = mxfp4_layout.STEP_ROWS
+    layouts = [
+        ("checkpoint rows", blocks, scales, 1),
+        (f"bands of {rows}", mxfp4_layout.to_step_rows(blocks.view(E * N, K // 32, 16), rows),
+         mxfp4_layout.scales_to_step_rows(scales, rows), rows),
+    ]  # fmt: skip
+    results = []
+    for layout, layout_blocks, layout_scales, lb in layouts:
 
-    def triton_launch() -> None:
-        columns._columns_gate_up_kernel[(N // tiles.gate_up_rows, E)](
-            x_tile, group_expert, pairs, blocks, scales, bias, h, 1.702, 1e30,
-            H=K, N=N, TOP_K=4, BN=tiles.gate_up_rows, COLS=COLS,
-            **small._full_steps(K), NUM_STAGES=tiles.gate_up_stages, PTX=True, PDL=False,
-            INTERPRET=False, num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages,
-            X_STRIDE=width, TILE_ORDER=tiles.order, H_STRIDE=width, SCALE_WORDS=tiles.scale_words,
-        )  # fmt: skip
+        def triton_launch(layout_blocks=layout_blocks, layout_scales=layout_scales, lb=lb) -> None:
+            columns._columns_gate_up_kernel[(N // tiles.gate_up_rows, E)](
+                x_tile, group_expert, pairs, layout_blocks, layout_scales, bias, h, 1.702, 1e30,
+                H=K, N=N, TOP_K=4, BN=tiles.gate_up_rows, COLS=COLS,
+                **small._full_steps(K, whole=lb > 1), NUM_STAGES=tiles.gate_up_stages, PTX=True,
+                PDL=False, INTERPRET=False, num_warps=tiles.gate_up_warps,
+                num_stages=tiles.gate_up_stages, X_STRIDE=width, TILE_ORDER=tiles.order,
+                H_STRIDE=width, SCALE_WORDS=tiles.scale_words, LB=lb,
+            )  # fmt: skip
 
-    us = statistics.median(graph_time_ms(triton_launch, repeats=20)) * 1e3
-    tflops = flop / (us * 1e-6) / 1e12
-    name = f"triton columns (engine row: {tiles.gate_up_rows} rows, {tiles.gate_up_warps} warps)"
-    sys.stdout.write(f"{name:<44} {us:9.1f} {tflops:8.1f} {'(swiglu)':>8}\n")
-    return {"config": name, "us": round(us, 1), "tflops": round(tflops, 1)}
+        us = statistics.median(graph_time_ms(triton_launch, repeats=20)) * 1e3
+        tflops = flop / (us * 1e-6) / 1e12
+        name = f"triton columns {tiles.gate_up_rows} rows {tiles.gate_up_warps} warps, {layout}"
+        sys.stdout.write(f"{name:<44} {us:9.1f} {tflops:8.1f} {'(swiglu)':>8}\n")
+        results.append({"config": name, "us": round(us, 1), "tflops": round(tflops, 1)})
+    return results
 
 
 def time_plain(w_words, xg, scales, out, check, report) -> None:
@@ -448,17 +382,24 @@ def time_warp_specialized(w_words, xg, scales, out, check, report, configs) -> N
                               w_layout)  # fmt: skip
     x_layout = gl.NVMMASharedLayout.get_default_for([COLS, 64], gl.bfloat16)
     x_desc = TensorDescriptor(xg, list(xg.shape), list(xg.stride()), [COLS, 64], x_layout)
-    for buffers, regs, maxnreg, ahead in configs:
+    permuted_words = mxfp4_layout.permute_words(w_words.view(torch.uint8).view(-1, 16))
+    permuted_words = permuted_words.view(torch.int32).view(w_words.shape)
+    w_desc_permuted = TensorDescriptor(permuted_words, list(w_words.shape),
+                                       list(w_words.stride()), [128, 32], w_layout)  # fmt: skip
+    for buffers, regs, maxnreg, permuted in configs:
         out.fill_(float("nan"))
         options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
 
-        def ws_launch(buffers=buffers, regs=regs, options=options, ahead=ahead) -> None:
+        desc = w_desc_permuted if permuted else w_desc
+
+        def ws_launch(buffers=buffers, regs=regs, options=options, permuted=permuted,
+                      desc=desc) -> None:  # fmt: skip
             _ws_gate_up_kernel[(N // 128, E)](
-                w_desc, x_desc, scales, out, NUM_STEPS=STEPS, NUM_BUFFERS=buffers,
-                CONSUMER_REGS=regs, AHEAD=ahead, **options,
+                desc, x_desc, scales, out, NUM_STEPS=STEPS, NUM_BUFFERS=buffers,
+                CONSUMER_REGS=regs, PERMUTED=permuted, **options,
             )  # fmt: skip
 
-        name = f"gluon ws {buffers} buf {regs} regs maxnreg {maxnreg}{' ahead' * ahead}"
+        name = f"gluon ws {buffers} buf {regs} regs maxnreg {maxnreg}{' permuted' * permuted}"
         try:
             us = statistics.median(graph_time_ms(ws_launch, repeats=20)) * 1e3
         except Exception as error:  # a shape that does not build: report it, go on
