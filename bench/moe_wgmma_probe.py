@@ -50,12 +50,13 @@ STEPS = triton.cdiv(K, 256)  # 12 steps of 256 columns; TMA reads zeros past K
 # (warps: 64 rows per warp group, ring buffers, maxnreg)
 CONFIGS = [(4, 2, None), (8, 2, None), (8, 3, None)]
 # Warp-specialized (_ws_gate_up_kernel; 128 rows): (ring buffers, the second consumer's
-# registers, the kernel's maxnreg, words in the permuted bit order). 2 buffers (96 KB) with
-# maxnreg 80-84 let two programs share an SM; without a cap the launch takes 168 registers a
-# thread (12 warps) and one program an SM.
+# registers, the kernel's maxnreg, words in the permuted bit order, wgmmas in batches of 8).
+# 2 buffers (96 KB) with maxnreg 80 let two programs share an SM; without a cap the launch
+# takes 168 registers a thread (12 warps) and one program an SM.
 WS_CONFIGS = [
-    (4, 232, None, False), (2, 112, 80, False), (2, 112, 80, True), (2, 104, 80, True),
-    (2, 120, 84, True), (2, 112, 84, True),
+    (4, 232, None, False, False), (2, 112, 80, False, False), (2, 112, 80, True, False),
+    (2, 104, 80, True, True), (2, 112, 80, True, True), (3, 232, None, True, True),
+    (4, 232, None, True, True),
 ]  # fmt: skip
 
 
@@ -223,9 +224,82 @@ def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: 
 
 
 @gluon.jit
+def _group_operand(w_slot, scales, c: gl.constexpr, s_cols, zero_t, words_layout: gl.constexpr,
+                   a_layout: gl.constexpr, PERMUTED: gl.constexpr):  # fmt: skip
+    """Group c (32 columns) of a slot's rows, decoded into wgmma's register operand."""
+    scale = gl.sum(gl.where(s_cols == c, scales, 0), axis=1)  # in registers
+    scale = gl.convert_layout(scale, gl.SliceLayout(1, words_layout))
+    mult = (scale[:, None] + zero_t + 64) * 0x00800080
+    words = w_slot.slice(4 * c, 4, dim=1).load(words_layout)
+    tile = _decode(words, mult, PERMUTED)  # [HM, 4 t, h, a0, a1]
+    tile = gl.permute(tile, (0, 4, 3, 1, 2))  # m a1 a0 t h
+    return gl.convert_layout(gl.reshape(tile, [tile.shape[0], 32]), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _ws_consumer_batched(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                         HALF: gl.constexpr, NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                         PERMUTED: gl.constexpr):  # fmt: skip
+    """``_ws_consumer`` as the engine's Triton kernel orders its wgmmas (ptxas accepts that):
+    4 groups (128 columns) decoded into 4 register operands first, then their 8 wgmmas
+    back to back and one wait for all; the slot is freed at the end of its step."""
+    HM: gl.constexpr = 64
+    words_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 4],
+    )  # fmt: skip
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _COLS, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    scales_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 8],
+    )  # fmt: skip
+    first = row0 + HM * HALF
+    s_rows = first + gl.arange(0, HM, layout=gl.SliceLayout(1, scales_layout))
+    s_cols = gl.arange(0, 8, layout=gl.SliceLayout(0, scales_layout))[None, :]
+    s_ptrs = scales_ptr + s_rows.to(gl.int64)[:, None] * 90 + s_cols
+    next_scales = gl.load(s_ptrs, mask=s_cols < 90, other=0).to(gl.int32)
+    zero_t = gl.zeros([1, 4], gl.int32, words_layout)
+    acc = gl.zeros([HM, _COLS], gl.float32, mma_layout)
+    for step in range(NUM_STEPS):
+        slot = step % NUM_BUFFERS
+        scales = next_scales
+        next_group = 8 * (step + 1) + s_cols
+        next_scales = gl.load(s_ptrs + 8 * (step + 1), mask=next_group < 90, other=0).to(gl.int32)
+        mbarrier.wait(ready.index(slot), step // NUM_BUFFERS & 1)
+        w_slot = w_bufs.index(slot).slice(HM * HALF, HM, dim=0)
+        for half in gl.static_range(2):
+            a0 = _group_operand(w_slot, scales, 4 * half, s_cols, zero_t, words_layout, a_layout,
+                                PERMUTED)  # fmt: skip
+            a1 = _group_operand(w_slot, scales, 4 * half + 1, s_cols, zero_t, words_layout,
+                                a_layout, PERMUTED)  # fmt: skip
+            a2 = _group_operand(w_slot, scales, 4 * half + 2, s_cols, zero_t, words_layout,
+                                a_layout, PERMUTED)  # fmt: skip
+            a3 = _group_operand(w_slot, scales, 4 * half + 3, s_cols, zero_t, words_layout,
+                                a_layout, PERMUTED)  # fmt: skip
+            x_slot = x_bufs.index(slot * 4 + 2 * half)
+            x_next = x_bufs.index(slot * 4 + 2 * half + 1)
+            acc = warpgroup_mma(a0, x_slot.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a1, x_slot.slice(32, 32, dim=1).permute((1, 0)), acc,
+                                is_async=True)  # fmt: skip
+            acc = warpgroup_mma(a2, x_next.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a3, x_next.slice(32, 32, dim=1).permute((1, 0)), acc,
+                                is_async=True)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+    out_rows = first + gl.arange(0, HM, layout=gl.SliceLayout(1, mma_layout))
+    out_cols = gl.arange(0, _COLS, layout=gl.SliceLayout(0, mma_layout))
+    gl.store(out_ptr + out_rows.to(gl.int64)[:, None] * _COLS + out_cols[None, :], acc)
+
+
+@gluon.jit
 def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.constexpr,
                        NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PERMUTED: gl.constexpr = False):  # fmt: skip
+                       PERMUTED: gl.constexpr = False, BATCHED: gl.constexpr = False):  # fmt: skip
     """``_wgmma_gate_up_kernel``'s product, warp-specialized: a 1-warp TMA producer and two
     consumer warp groups of 64 rows each on the same activation tiles, coupled only through
     the ring's (ready, empty) mbarriers: no barrier across the program's warps."""
@@ -241,18 +315,32 @@ def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.conste
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer
     fence_async_shared()
-    gl.warp_specialize(
-        [
-            (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
-                            NUM_STEPS, NUM_BUFFERS, PERMUTED)),
-            (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
-                            NUM_STEPS, NUM_BUFFERS, PERMUTED)),
-            (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
-                            NUM_STEPS, NUM_BUFFERS)),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, 24],
-    )  # fmt: skip
+    if BATCHED:
+        gl.warp_specialize(
+            [
+                (_ws_consumer_batched, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                                        0, NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+                (_ws_consumer_batched, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                                        1, NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+                (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
+                                NUM_STEPS, NUM_BUFFERS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
+                                NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
+                                NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+                (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
+                                NUM_STEPS, NUM_BUFFERS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
 
 
 def virtual_rows(x: torch.Tensor) -> torch.Tensor:
@@ -386,20 +474,21 @@ def time_warp_specialized(w_words, xg, scales, out, check, report, configs) -> N
     permuted_words = permuted_words.view(torch.int32).view(w_words.shape)
     w_desc_permuted = TensorDescriptor(permuted_words, list(w_words.shape),
                                        list(w_words.stride()), [128, 32], w_layout)  # fmt: skip
-    for buffers, regs, maxnreg, permuted in configs:
+    for buffers, regs, maxnreg, permuted, batched in configs:
         out.fill_(float("nan"))
         options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
 
         desc = w_desc_permuted if permuted else w_desc
 
         def ws_launch(buffers=buffers, regs=regs, options=options, permuted=permuted,
-                      desc=desc) -> None:  # fmt: skip
+                      batched=batched, desc=desc) -> None:  # fmt: skip
             _ws_gate_up_kernel[(N // 128, E)](
                 desc, x_desc, scales, out, NUM_STEPS=STEPS, NUM_BUFFERS=buffers,
-                CONSUMER_REGS=regs, PERMUTED=permuted, **options,
+                CONSUMER_REGS=regs, PERMUTED=permuted, BATCHED=batched, **options,
             )  # fmt: skip
 
-        name = f"gluon ws {buffers} buf {regs} regs maxnreg {maxnreg}{' permuted' * permuted}"
+        name = (f"gluon ws {buffers} buf {regs} regs maxnreg {maxnreg}"
+                f"{' permuted' * permuted}{' batched' * batched}")  # fmt: skip
         try:
             us = statistics.median(graph_time_ms(ws_launch, repeats=20)) * 1e3
         except Exception as error:  # a shape that does not build: report it, go on
