@@ -49,14 +49,15 @@ _PERMUTED_PTX = gl.constexpr(_DECODE_PERMUTED_PTX.value)
 STEPS = triton.cdiv(K, 256)  # 12 steps of 256 columns; TMA reads zeros past K
 # (warps: 64 rows per warp group, ring buffers, maxnreg)
 CONFIGS = [(4, 2, None), (8, 2, None), (8, 3, None)]
-# Warp-specialized (_ws_gate_up_kernel; 128 rows): (ring buffers, the second consumer's
-# registers, the kernel's maxnreg, words in the permuted bit order, wgmmas in batches of 8).
-# 2 buffers (96 KB) with maxnreg 80 let two programs share an SM; without a cap the launch
-# takes 168 registers a thread (12 warps) and one program an SM.
+# Warp-specialized (_ws_gate_up_kernel): (consumer warp groups of 64 rows, ring buffers, the
+# worker consumers' registers, the kernel's maxnreg, words in the permuted bit order, groups
+# a wgmma batch: 0 for one group a wait). 2 consumers on 2 buffers (96 KB) with maxnreg 80 let
+# two programs share an SM; without a cap a program takes the SM's registers (3 consumers:
+# 16 warps, 128 a thread at launch).
 WS_CONFIGS = [
-    (4, 232, None, False, False), (2, 112, 80, False, False), (2, 112, 80, True, False),
-    (2, 104, 80, True, True), (2, 112, 80, True, True), (3, 232, None, True, True),
-    (4, 232, None, True, True),
+    (2, 2, 112, 80, False, 0), (2, 2, 112, 80, True, 0), (2, 2, 104, 80, True, 4),
+    (3, 3, 160, None, True, 4), (3, 3, 160, None, True, 8), (3, 2, 160, None, True, 8),
+    (2, 4, 232, None, True, 8),
 ]  # fmt: skip
 
 
@@ -156,18 +157,27 @@ def _decode(words, mult, PERMUTED: gl.constexpr):
 
 @gluon.jit
 def _ws_producer(w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
-                 NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr):  # fmt: skip
-    """Worker partition (1 warp): each step's TMA once both consumers freed its slot."""
+                 NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                 CONSUMERS: gl.constexpr):  # fmt: skip
+    """Worker partition (1 warp): each step's TMA (a 64-row box of words per consumer, the 4
+    activation boxes) once every consumer freed its slot."""
     for step in range(NUM_STEPS):
         slot = step % NUM_BUFFERS
         mbarrier.wait(empty.index(slot), (step // NUM_BUFFERS & 1) ^ 1)  # fresh: passes
-        _issue(w_desc, x_desc, w_bufs, x_bufs, ready, step, row0, col0, NUM_BUFFERS)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, CONSUMERS * w_desc.block_type.nbytes + 4 * x_desc.block_type.nbytes)
+        for h in gl.static_range(CONSUMERS):
+            tma.async_copy_global_to_shared(w_desc, [row0 + 64 * h, step * 32], bar,
+                                            w_bufs.index(slot * CONSUMERS + h))  # fmt: skip
+        for j in gl.static_range(4):
+            tma.async_copy_global_to_shared(x_desc, [col0, step * 256 + 64 * j], bar,
+                                            x_bufs.index(slot * 4 + j))  # fmt: skip
 
 
 @gluon.jit
 def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: gl.constexpr,
                  NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                 PERMUTED: gl.constexpr):  # fmt: skip
+                 PERMUTED: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
     """One warp group (a partition of its own): rows [64·HALF, 64·HALF + 64) of the program's
     tile, decoded from the ring into wgmma's register operand, one wgmma in flight while the
     next group decodes; frees a slot (one arrive of the two) once its last wgmma is done."""
@@ -198,7 +208,7 @@ def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: 
         next_group = 8 * (step + 1) + s_cols
         next_scales = gl.load(s_ptrs + 8 * (step + 1), mask=next_group < 90, other=0).to(gl.int32)
         mbarrier.wait(ready.index(slot), step // NUM_BUFFERS & 1)
-        w_slot = w_bufs.index(slot).slice(HM * HALF, HM, dim=0)
+        w_slot = w_bufs.index(slot * CONSUMERS + HALF)
         for c in gl.static_range(8):
             scale = gl.sum(gl.where(s_cols == c, scales, 0), axis=1)  # in registers
             scale = gl.convert_layout(scale, gl.SliceLayout(1, words_layout))
@@ -237,12 +247,37 @@ def _group_operand(w_slot, scales, c: gl.constexpr, s_cols, zero_t, words_layout
 
 
 @gluon.jit
+def _four_operands(w_slot, scales, g: gl.constexpr, s_cols, zero_t, words_layout: gl.constexpr,
+                   a_layout: gl.constexpr, PERMUTED: gl.constexpr):  # fmt: skip
+    """Groups g .. g + 3 of a slot's rows as four register operands."""
+    return (
+        _group_operand(w_slot, scales, g, s_cols, zero_t, words_layout, a_layout, PERMUTED),
+        _group_operand(w_slot, scales, g + 1, s_cols, zero_t, words_layout, a_layout, PERMUTED),
+        _group_operand(w_slot, scales, g + 2, s_cols, zero_t, words_layout, a_layout, PERMUTED),
+        _group_operand(w_slot, scales, g + 3, s_cols, zero_t, words_layout, a_layout, PERMUTED),
+    )
+
+
+@gluon.jit
+def _four_mmas(a0, a1, a2, a3, x_bufs, box, acc):
+    """The 8 wgmmas of four groups (x boxes ``box`` and ``box`` + 1), left in flight."""
+    first = x_bufs.index(box)
+    second = x_bufs.index(box + 1)
+    acc = warpgroup_mma(a0, first.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a1, first.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a2, second.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(a3, second.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
 def _ws_consumer_batched(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
                          HALF: gl.constexpr, NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                         PERMUTED: gl.constexpr):  # fmt: skip
+                         PERMUTED: gl.constexpr, BATCH: gl.constexpr,
+                         CONSUMERS: gl.constexpr):  # fmt: skip
     """``_ws_consumer`` as the engine's Triton kernel orders its wgmmas (ptxas accepts that):
-    4 groups (128 columns) decoded into 4 register operands first, then their 8 wgmmas
-    back to back and one wait for all; the slot is freed at the end of its step."""
+    BATCH groups (4: 128 columns, or 8) decoded into register operands first, then their
+    2·BATCH wgmmas back to back and one wait for all; the slot is freed at the end of its
+    step. HALF: the consumer's index (rows [64·HALF, 64·HALF + 64) of the program's)."""
     HM: gl.constexpr = 64
     words_layout: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
@@ -270,24 +305,16 @@ def _ws_consumer_batched(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0
         next_group = 8 * (step + 1) + s_cols
         next_scales = gl.load(s_ptrs + 8 * (step + 1), mask=next_group < 90, other=0).to(gl.int32)
         mbarrier.wait(ready.index(slot), step // NUM_BUFFERS & 1)
-        w_slot = w_bufs.index(slot).slice(HM * HALF, HM, dim=0)
-        for half in gl.static_range(2):
-            a0 = _group_operand(w_slot, scales, 4 * half, s_cols, zero_t, words_layout, a_layout,
-                                PERMUTED)  # fmt: skip
-            a1 = _group_operand(w_slot, scales, 4 * half + 1, s_cols, zero_t, words_layout,
-                                a_layout, PERMUTED)  # fmt: skip
-            a2 = _group_operand(w_slot, scales, 4 * half + 2, s_cols, zero_t, words_layout,
-                                a_layout, PERMUTED)  # fmt: skip
-            a3 = _group_operand(w_slot, scales, 4 * half + 3, s_cols, zero_t, words_layout,
-                                a_layout, PERMUTED)  # fmt: skip
-            x_slot = x_bufs.index(slot * 4 + 2 * half)
-            x_next = x_bufs.index(slot * 4 + 2 * half + 1)
-            acc = warpgroup_mma(a0, x_slot.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(a1, x_slot.slice(32, 32, dim=1).permute((1, 0)), acc,
-                                is_async=True)  # fmt: skip
-            acc = warpgroup_mma(a2, x_next.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(a3, x_next.slice(32, 32, dim=1).permute((1, 0)), acc,
-                                is_async=True)  # fmt: skip
+        w_slot = w_bufs.index(slot * CONSUMERS + HALF)
+        for batch in gl.static_range(8 // BATCH):
+            a0, a1, a2, a3 = _four_operands(w_slot, scales, BATCH * batch, s_cols, zero_t,
+                                            words_layout, a_layout, PERMUTED)  # fmt: skip
+            if BATCH == 8:
+                a4, a5, a6, a7 = _four_operands(w_slot, scales, 4, s_cols, zero_t, words_layout,
+                                                a_layout, PERMUTED)  # fmt: skip
+            acc = _four_mmas(a0, a1, a2, a3, x_bufs, slot * 4 + 2 * batch * (BATCH // 4), acc)
+            if BATCH == 8:
+                acc = _four_mmas(a4, a5, a6, a7, x_bufs, slot * 4 + 2, acc)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
@@ -299,31 +326,48 @@ def _ws_consumer_batched(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0
 @gluon.jit
 def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.constexpr,
                        NUM_BUFFERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PERMUTED: gl.constexpr = False, BATCHED: gl.constexpr = False):  # fmt: skip
-    """``_wgmma_gate_up_kernel``'s product, warp-specialized: a 1-warp TMA producer and two
-    consumer warp groups of 64 rows each on the same activation tiles, coupled only through
-    the ring's (ready, empty) mbarriers: no barrier across the program's warps."""
-    BM: gl.constexpr = w_desc.block_type.shape[0]
-    gl.static_assert(BM == 128)
+                       PERMUTED: gl.constexpr = False, BATCH: gl.constexpr = 0,
+                       CONSUMERS: gl.constexpr = 2):  # fmt: skip
+    """``_wgmma_gate_up_kernel``'s product, warp-specialized: a 1-warp TMA producer and
+    BM / 64 consumer warp groups (2, or 3 with BATCH) of 64 rows each on the same activation
+    tiles, coupled only through the ring's (ready, empty) mbarriers. BATCH 0:
+    ``_ws_consumer``, else ``_ws_consumer_batched`` with that many groups a batch."""
+    BM: gl.constexpr = 64 * CONSUMERS
+    gl.static_assert(w_desc.block_type.shape[0] == 64)
+    gl.static_assert((CONSUMERS == 2) | ((CONSUMERS == 3) & (BATCH > 0)))
     row0 = gl.program_id(1) * _N + gl.program_id(0) * BM  # expert e = program_id(1)
     col0 = gl.program_id(1) * _COLS
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUFFERS, BM, 32], w_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUFFERS * CONSUMERS, 64, 32],
+                                       w_desc.layout)  # fmt: skip
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_BUFFERS * 4, _COLS, 64], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrive from each consumer
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrive from each consumer
     fence_async_shared()
-    if BATCHED:
+    if BATCH == 0:
+        gl.warp_specialize(
+            [
+                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
+                                NUM_STEPS, NUM_BUFFERS, PERMUTED, CONSUMERS)),
+                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
+                                NUM_STEPS, NUM_BUFFERS, PERMUTED, CONSUMERS)),
+                (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
+                                NUM_STEPS, NUM_BUFFERS, CONSUMERS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
+    elif CONSUMERS == 2:
         gl.warp_specialize(
             [
                 (_ws_consumer_batched, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
-                                        0, NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+                                        0, NUM_STEPS, NUM_BUFFERS, PERMUTED, BATCH, CONSUMERS)),
                 (_ws_consumer_batched, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
-                                        1, NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+                                        1, NUM_STEPS, NUM_BUFFERS, PERMUTED, BATCH, CONSUMERS)),
                 (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
-                                NUM_STEPS, NUM_BUFFERS)),
+                                NUM_STEPS, NUM_BUFFERS, CONSUMERS)),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
@@ -331,15 +375,17 @@ def _ws_gate_up_kernel(w_desc, x_desc, scales_ptr, out_ptr, NUM_STEPS: gl.conste
     else:
         gl.warp_specialize(
             [
-                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 0,
-                                NUM_STEPS, NUM_BUFFERS, PERMUTED)),
-                (_ws_consumer, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, 1,
-                                NUM_STEPS, NUM_BUFFERS, PERMUTED)),
+                (_ws_consumer_batched, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                                        0, NUM_STEPS, NUM_BUFFERS, PERMUTED, BATCH, CONSUMERS)),
+                (_ws_consumer_batched, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                                        1, NUM_STEPS, NUM_BUFFERS, PERMUTED, BATCH, CONSUMERS)),
+                (_ws_consumer_batched, (w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0,
+                                        2, NUM_STEPS, NUM_BUFFERS, PERMUTED, BATCH, CONSUMERS)),
                 (_ws_producer, (w_desc, x_desc, w_bufs, x_bufs, ready, empty, row0, col0,
-                                NUM_STEPS, NUM_BUFFERS)),
+                                NUM_STEPS, NUM_BUFFERS, CONSUMERS)),
             ],
-            [4, 1],
-            [CONSUMER_REGS, 24],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, 24],
         )  # fmt: skip
 
 
@@ -465,30 +511,29 @@ def time_plain(w_words, xg, scales, out, check, report) -> None:
 
 def time_warp_specialized(w_words, xg, scales, out, check, report, configs) -> None:
     """``_ws_gate_up_kernel`` in each of ``configs`` (WS_CONFIGS rows), reported as main's."""
-    w_layout = gl.NVMMASharedLayout.get_default_for([128, 32], gl.int32)
-    w_desc = TensorDescriptor(w_words, list(w_words.shape), list(w_words.stride()), [128, 32],
-                              w_layout)  # fmt: skip
-    x_layout = gl.NVMMASharedLayout.get_default_for([COLS, 64], gl.bfloat16)
-    x_desc = TensorDescriptor(xg, list(xg.shape), list(xg.stride()), [COLS, 64], x_layout)
     permuted_words = mxfp4_layout.permute_words(w_words.view(torch.uint8).view(-1, 16))
     permuted_words = permuted_words.view(torch.int32).view(w_words.shape)
-    w_desc_permuted = TensorDescriptor(permuted_words, list(w_words.shape),
-                                       list(w_words.stride()), [128, 32], w_layout)  # fmt: skip
-    for buffers, regs, maxnreg, permuted, batched in configs:
+    x_layout = gl.NVMMASharedLayout.get_default_for([COLS, 64], gl.bfloat16)
+    x_desc = TensorDescriptor(xg, list(xg.shape), list(xg.stride()), [COLS, 64], x_layout)
+    for consumers, buffers, regs, maxnreg, permuted, batch in configs:
         out.fill_(float("nan"))
+        bm = 64 * consumers
+        words = permuted_words if permuted else w_words
+        w_layout = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+        w_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [64, 32],
+                                  w_layout)  # fmt: skip
         options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
 
-        desc = w_desc_permuted if permuted else w_desc
-
         def ws_launch(buffers=buffers, regs=regs, options=options, permuted=permuted,
-                      batched=batched, desc=desc) -> None:  # fmt: skip
-            _ws_gate_up_kernel[(N // 128, E)](
-                desc, x_desc, scales, out, NUM_STEPS=STEPS, NUM_BUFFERS=buffers,
-                CONSUMER_REGS=regs, PERMUTED=permuted, BATCHED=batched, **options,
+                      batch=batch, w_desc=w_desc, bm=bm) -> None:  # fmt: skip
+            _ws_gate_up_kernel[(N // bm, E)](
+                w_desc, x_desc, scales, out, NUM_STEPS=STEPS, NUM_BUFFERS=buffers,
+                CONSUMER_REGS=regs, PERMUTED=permuted, BATCH=batch, CONSUMERS=bm // 64,
+                **options,
             )  # fmt: skip
 
-        name = (f"gluon ws {buffers} buf {regs} regs maxnreg {maxnreg}"
-                f"{' permuted' * permuted}{' batched' * batched}")  # fmt: skip
+        name = (f"gluon ws {consumers}x64 rows {buffers} buf {regs} regs maxnreg {maxnreg}"
+                f"{' permuted' * permuted} batch {batch}")  # fmt: skip
         try:
             us = statistics.median(graph_time_ms(ws_launch, repeats=20)) * 1e3
         except Exception as error:  # a shape that does not build: report it, go on
