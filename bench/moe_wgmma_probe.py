@@ -10,6 +10,11 @@ NUM_BUFFERS steps of 256 columns. The gate_up of one layer at 2048 tokens: 128 e
 pairs (the activations gathered per expert beforehand, in the decode's column order), against
 the engine's Triton kernel for the same pairs. TFLOP/s of the 2 · 8192 · 5760 · 2880 MACs.
 
+Then (RESULTS v23) the same product warp-specialized (``_ws_gate_up_kernel``: a 1-warp TMA
+producer, 2-3 consumer warp groups of 64 rows on mbarriers, ``setmaxnreg``), its rows of
+WS_CONFIGS each runnable alone (``WS_ONLY=i``: a kernel that hangs ends one process), and the
+engine's Triton kernel also on the engine's weight layout (bands of 16 rows, permuted words).
+
     cd bench && python3 moe_wgmma_probe.py [--out results/moe_wgmma_probe.json]
 """
 
@@ -179,8 +184,10 @@ def _ws_consumer(w_bufs, x_bufs, ready, empty, scales_ptr, out_ptr, row0, HALF: 
                  NUM_STEPS: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                  PERMUTED: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
     """One warp group (a partition of its own): rows [64·HALF, 64·HALF + 64) of the program's
-    tile, decoded from the ring into wgmma's register operand, one wgmma in flight while the
-    next group decodes; frees a slot (one arrive of the two) once its last wgmma is done."""
+    tile, decoded from the ring into wgmma's register operand, one group's wgmmas meant to be
+    in flight while the next group decodes (``warpgroup_mma_wait(1)``; ptxas serializes them
+    anyway, C7513: RESULTS v23); frees a slot (one arrive of CONSUMERS) once its last wgmma
+    is done."""
     HM: gl.constexpr = 64
     words_layout: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
