@@ -66,11 +66,25 @@ class DecodeTiles:
 # step, H100 (bench/RESULTS.md v17): batch 1 1k / 8k / 32k 2.567 / 2.700 / 3.000 -> 2.569 /
 # 2.679 / 2.984 ms, batch 2 3.635 -> 3.608; batch 8 / 16 even (8.057-8.083 / 13.93 against
 # 8.069-8.090 / 13.93-13.95; there the q/k/v run through cuBLAS and nothing waits early).
+# Past 32 sequences every (sequence, KV head) is one program (2 an SM wanted), so the grid's
+# waves decide, and the 64- and 128-key tiles fill them at different batches (v23 item 6:
+# kernel alone with PDL, TB/s at 1k context, 64 / 128 keys: batch 40 2.99-3.07 / 2.96-2.97,
+# 48 3.40-3.51 / 3.16-3.19, 56 2.80-2.85 / 3.42-3.47, 64 2.81-3.04 / 3.56-3.65, 80 3.25-3.28 /
+# 3.10-3.15, 96 3.59-3.63 / 3.42-3.47, 112 2.79-2.85 / 3.67-3.71, 128 3.08-3.14 / 3.77-3.86,
+# 160 3.65-3.73 / 3.65-3.70, 256 at 1.5k 3.88-3.95 / 4.07-4.10, 512 4.01-4.04 / 4.13-4.16;
+# the whole 120b step at batch 64, 1k: 17.65-17.72 -> 17.46 ms; 4 stages as 3). The rows follow the decode
+# graphs' padded sizes (engine/cuda_graphs.py: 40, 48, ... 64, 80, 96, 112, 128, 160, ...).
 _MANY_SEQS = DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)
+_ONE_SPLIT = dataclasses.replace(_MANY_SEQS, programs_per_sm=2)
+_ONE_SPLIT_WIDE = DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=3,
+                              programs_per_sm=2)  # fmt: skip
 GPU_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (16, DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=4, prefetch=True)),
     (32, _MANY_SEQS),
-    (1 << 30, dataclasses.replace(_MANY_SEQS, programs_per_sm=2)),
+    (48, _ONE_SPLIT),
+    (64, _ONE_SPLIT_WIDE),
+    (96, _ONE_SPLIT),
+    (1 << 30, _ONE_SPLIT_WIDE),
 )
 # Interpreter: tiny tiles so small test sequences still span several tiles and splits.
 CPU_TILES = DecodeTiles(block_n=16, split_min=16, num_warps=1, num_stages=1)
