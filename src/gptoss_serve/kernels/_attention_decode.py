@@ -72,8 +72,9 @@ class DecodeTiles:
 # 48 3.40-3.51 / 3.16-3.19, 56 2.80-2.85 / 3.42-3.47, 64 2.81-3.04 / 3.56-3.65, 80 3.25-3.28 /
 # 3.10-3.15, 96 3.59-3.63 / 3.42-3.47, 112 2.79-2.85 / 3.67-3.71, 128 3.08-3.14 / 3.77-3.86,
 # 160 3.65-3.73 / 3.65-3.70, 256 at 1.5k 3.88-3.95 / 4.07-4.10, 512 4.01-4.04 / 4.13-4.16;
-# the whole 120b step at batch 64, 1k: 17.65-17.72 -> 17.46 ms; 4 stages as 3). The rows follow the decode
-# graphs' padded sizes (engine/cuda_graphs.py: 40, 48, ... 64, 80, 96, 112, 128, 160, ...).
+# the whole 120b step at batch 64, 1k: 17.65-17.72 -> 17.46 ms; 4 stages as 3). The rows
+# follow the decode graphs' padded sizes (engine/cuda_graphs.py: 40, 48, ... 64, 80, 96, 112,
+# 128, 160, ...).
 _MANY_SEQS = DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)
 _ONE_SPLIT = dataclasses.replace(_MANY_SEQS, programs_per_sm=2)
 _ONE_SPLIT_WIDE = DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=3,
