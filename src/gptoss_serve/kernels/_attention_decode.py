@@ -79,9 +79,14 @@ _MANY_SEQS = DecodeTiles(block_n=64, split_min=128, num_warps=4, num_stages=5)
 _ONE_SPLIT = dataclasses.replace(_MANY_SEQS, programs_per_sm=2)
 _ONE_SPLIT_WIDE = DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=3,
                               programs_per_sm=2)  # fmt: skip
+# 17-32 sequences likewise (v23 item 7; TB/s, the row before / 128 keys on 3 stages, splits
+# for 4 programs an SM / one split): batch 24 1k / 8k 2.18 / 3.21 -> 2.71 / 3.73 / 2.61 /
+# 3.46; batch 32 1k / 2k / 8k / 32k 2.42 / 2.96 / 3.74 / 3.96 -> 2.52 / 2.99 / 3.14 / - and
+# 2.76 / 3.26 / 3.74 / 3.91; the whole step at batch 32, 1k: 13.20-13.25 -> 13.12 ms.
 GPU_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (16, DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stages=4, prefetch=True)),
-    (32, _MANY_SEQS),
+    (24, dataclasses.replace(_ONE_SPLIT_WIDE, programs_per_sm=PROGRAMS_PER_SM)),
+    (32, _ONE_SPLIT_WIDE),
     (48, _ONE_SPLIT),
     (64, _ONE_SPLIT_WIDE),
     (96, _ONE_SPLIT),
