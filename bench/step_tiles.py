@@ -12,8 +12,10 @@ fields of the table row that serves ``--batch`` tokens on this card (``decode_ti
 ``None``, ``True``/``False``);
 with ``--target attention``, of the ``_attention_decode.GPU_TILES`` row serving the batch;
 with ``--target dense``, ``gemv_max_tokens`` replaces ``linear.GEMV_MAX_TOKENS`` (the largest
-batch whose projections take the Triton GEMV) and ``mma_max_tokens`` ``linear.MMA_MAX_TOKENS``
-(the largest that takes the Triton tensor-core kernel rather than cuBLAS).
+batch whose projections take the Triton GEMV), ``mma_max_tokens`` ``linear.MMA_MAX_TOKENS``
+(the largest that takes the Triton tensor-core kernels rather than cuBLAS), ``mma_<field>`` a
+field of ``linear.MMA_TILES`` (the plain projections' tensor-core tiles) and ``qkv_<field>``
+one of ``rope.QKV_MMA_TILES`` (the fused q/k/v + RoPE kernel's; ``qkv_fused=False``: unfused).
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
@@ -37,7 +39,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _attention_decode as attention
 from gptoss_serve.kernels import _moe_small as small
-from gptoss_serve.kernels import linear
+from gptoss_serve.kernels import linear, rope
 from kernels import graph_time_ms, write_results
 
 LITERALS = {"None": None, "True": True, "False": False}
@@ -67,8 +69,13 @@ def apply(target: str, batch: int, fields: dict) -> None:
     elif target == "dense":
         linear.GEMV_MAX_TOKENS = fields.pop("gemv_max_tokens", DEFAULTS["dense"])
         linear.MMA_MAX_TOKENS = fields.pop("mma_max_tokens", DEFAULTS["mma"])
+        linear.MMA_TILES = dataclasses.replace(DEFAULTS["mma_tiles"], **prefixed(fields, "mma_"))
+        qkv = prefixed(fields, "qkv_")
+        fused = qkv.pop("fused", True)  # qkv_fused=False: the projection and RoPE apart
+        rope.QKV_MMA_TILES = dataclasses.replace(DEFAULTS["qkv_tiles"], **qkv) if fused else None
         if fields:
-            raise ValueError(f"dense variants take gemv_max_tokens, mma_max_tokens; got {fields}")
+            raise ValueError(f"dense variants take gemv_max_tokens, mma_max_tokens, mma_<field>, "
+                             f"qkv_<field> (MmaTiles' fields); got {fields}")  # fmt: skip
     else:
         # the row this card serves ``batch`` tokens with (_moe_small.PER_PAIR_MAX_TOKENS_BY_CARD),
         # varied, as a row of its own for ``batch`` ahead of the table's, the card's rule off
@@ -80,14 +87,22 @@ def apply(target: str, batch: int, fields: dict) -> None:
         small.DECODE_TILES = tuple(table)
 
 
+def prefixed(fields: dict, prefix: str) -> dict:
+    """The fields named ``prefix`` + an MmaTiles field, taken out of ``fields``, unprefixed."""
+    names = [name for name in fields if name.startswith(prefix)]
+    return {name.removeprefix(prefix): fields.pop(name) for name in names}
+
+
 def restore() -> None:
     attention.GPU_TILES, small.DECODE_TILES = DEFAULTS["attention"], DEFAULTS["moe"]
     small.PER_PAIR_MAX_TOKENS_BY_CARD = DEFAULTS["per_pair"]
     linear.GEMV_MAX_TOKENS, linear.MMA_MAX_TOKENS = DEFAULTS["dense"], DEFAULTS["mma"]
+    linear.MMA_TILES, rope.QKV_MMA_TILES = DEFAULTS["mma_tiles"], DEFAULTS["qkv_tiles"]
 
 
 DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
             "dense": linear.GEMV_MAX_TOKENS, "mma": linear.MMA_MAX_TOKENS,
+            "mma_tiles": linear.MMA_TILES, "qkv_tiles": rope.QKV_MMA_TILES,
             "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD}  # fmt: skip
 
 
@@ -124,7 +139,10 @@ def main() -> int:
                      "logits_equal": bool(torch.equal(logits, base_logits))})  # fmt: skip
         base_ms = again_ms
     moe_row = small.decode_tiles_for(args.batch, torch.device("cuda"))
-    dense_row = f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS},MMA_MAX_TOKENS={linear.MMA_MAX_TOKENS}"
+    dense_row = (
+        f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS},MMA_MAX_TOKENS={linear.MMA_MAX_TOKENS},"
+        f"MMA_TILES={linear.MMA_TILES},QKV_MMA_TILES={rope.QKV_MMA_TILES}"
+    )
     table_row = {"attention": attention.gpu_tiles_for(args.batch), "dense": dense_row}.get(
         args.target, moe_row
     )

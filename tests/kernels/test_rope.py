@@ -16,7 +16,7 @@ from compare import assert_close, assert_fp8_near, poisoned
 
 from gptoss_serve.config import RopeConfig
 from gptoss_serve.kernels.kv_dtype import FP8, to_cache
-from gptoss_serve.kernels.linear import GEMV_MAX_TOKENS, linear
+from gptoss_serve.kernels.linear import GEMV_MAX_TOKENS, MMA_MAX_TOKENS, linear
 from gptoss_serve.kernels.rope import (
     apply_rope,
     qkv_rope_and_cache_write,
@@ -240,26 +240,35 @@ def _check_fused(
     tolerance: dict,
     cache_dtype: torch.dtype | None = None,
 ) -> None:
-    """The fused q/k/v GEMV + RoPE + cache write against the reference composite, into a
-    poisoned q view and cache."""
+    """The fused q/k/v GEMV + RoPE + cache write, and its tensor-core version, against the
+    reference composite, into a poisoned q view and cache."""
     qkv_rope_triton = pytest.importorskip("gptoss_serve.kernels._qkv_rope").qkv_rope_triton
-    from gptoss_serve.kernels.linear import GemvTiles  # noqa: PLC0415
+    from gptoss_serve.kernels._qkv_rope_mma import qkv_rope_mma_triton  # noqa: PLC0415
+    from gptoss_serve.kernels.linear import GemvTiles, MmaTiles  # noqa: PLC0415
 
     tokens, heads, kv_heads, head_dim, _ = shape
     x, weight, bias, positions, inv_freq, cache, slots = _qkv_case(shape, device, cache_dtype)
     scaling = GPT_OSS_ROPE.attention_scaling
     table = rope_cos_sin_table(131072, inv_freq, scaling)
-    expected_cache = cache.clone()
+    poisoned_cache, expected_cache = cache.clone(), cache.clone()
     expected = qkv_rope_and_cache_write_reference(
         x, weight, bias, positions, inv_freq, scaling, expected_cache[:, 0],
         expected_cache[:, 1], slots, num_heads=heads, num_kv_heads=kv_heads,
     )  # fmt: skip
     out_buffer = poisoned((tokens, heads, head_dim + 3), torch.bfloat16, device)
     out = out_buffer[..., :head_dim]
-    for rows in (4, 2):  # 2 NeoX pairs a program (the GPU's tile), then 1
-        actual = qkv_rope_triton(
+    # 2 NeoX pairs a program (the GPU's tile), then 1; on the tensor cores the table's tiles
+    # (32 pairs) and 16 pairs on a shorter pipeline (interpreted: 64-column steps, 2 stages)
+    mma_tiles = [MmaTiles(rows=32, block_k=64, num_stages=2)] if device == "cpu" else [
+        MmaTiles(), MmaTiles(rows=32, num_stages=3)]  # fmt: skip
+    launches = [(qkv_rope_triton, GemvTiles(rows, 4)) for rows in (4, 2)]
+    launches += [(qkv_rope_mma_triton, tiles) for tiles in mma_tiles]
+    for launch, tiles in launches:
+        cache.copy_(poisoned_cache)
+        out_buffer.fill_(float("nan"))
+        actual = launch(
             x, weight, bias, positions, table, cache[:, 0], cache[:, 1], slots,
-            num_heads=heads, num_kv_heads=kv_heads, tiles=GemvTiles(rows, 4), out=out,
+            num_heads=heads, num_kv_heads=kv_heads, tiles=tiles, out=out,
         )  # fmt: skip
         assert actual is out and out_buffer[..., head_dim:].isnan().all()
         assert_close(actual, expected, **tolerance)
@@ -304,7 +313,7 @@ def test_fused_qkv_kernel_interpreted(shape: tuple[int, int, int, int, int]) -> 
 
 @pytest.mark.gpu
 @not_interpreted
-@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 17, 33, 64])
 def test_fused_qkv_kernel_gpu(tokens: int) -> None:
     _check_fused((tokens, 64, 8, 64, 2880), "cuda", TOLERANCE[torch.bfloat16])
 
@@ -318,10 +327,13 @@ def test_fused_qkv_kernel_gpu_fp8_cache(tokens: int) -> None:
 
 @pytest.mark.gpu
 @not_interpreted
-@pytest.mark.parametrize("tokens", [1, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, 8])
+@pytest.mark.parametrize(
+    "tokens", [1, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, 8, MMA_MAX_TOKENS, MMA_MAX_TOKENS + 1]
+)
 def test_fused_qkv_dispatch_gpu(tokens: int) -> None:
-    """The op (fused GEMV up to GEMV_MAX_TOKENS, linear + rope kernel beyond) against the unfused
-    kernels: the same bf16 q/k/v values, so the same outputs up to an output rounding."""
+    """The op (fused GEMV up to GEMV_MAX_TOKENS, the fused tensor-core kernel up to
+    MMA_MAX_TOKENS, linear + rope kernel beyond) against the unfused kernels: the same bf16
+    q/k/v values, so the same outputs up to an output rounding."""
     x, weight, bias, positions, inv_freq, cache, slots = _qkv_case((tokens, 64, 8, 64, 2880),
                                                                    "cuda")  # fmt: skip
     scaling = GPT_OSS_ROPE.attention_scaling

@@ -62,15 +62,9 @@ def _qkv_rope_kernel(
                 mask=(ks < K)[None, :], other=0.0)  # fmt: skip
     if PDL:
         gdc_wait()  # x, positions and slots come from earlier kernels or uploads
-    # Every token's position, slot and cos/sin at once, so that their loads overlap the dot
-    # products instead of lengthening each token's epilogue.
     tokens = tl.arange(0, T_PAD)
-    token_ok = tokens < num_tokens
-    position = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
-    position = tl.minimum(tl.maximum(position, 0), num_positions - 1).to(tl.int64)
-    angle_ptrs = cos_sin_ptr + position[:, None] * (2 * HALF) + d[None, :]  # [T_PAD, BP]
-    cos, sin = tl.load(angle_ptrs), tl.load(angle_ptrs + HALF)
-    slot = tl.load(slot_mapping_ptr + tokens, mask=token_ok, other=-1).to(tl.int64)
+    cos, sin, slot = _token_angles(positions_ptr, cos_sin_ptr, slot_mapping_ptr, tokens,
+                                   num_tokens, num_positions, d, HALF)  # fmt: skip
     w = w.to(tl.float32)  # [2·BP, K_PAD], once for all tokens
     y = tl.zeros([T_PAD, 2 * BP], tl.float32)
     for m in tl.static_range(T_PAD):
@@ -79,10 +73,42 @@ def _qkv_rope_kernel(
         y = tl.where(tokens[:, None] == m, y_m[None, :], y)
     y = _to_bf16(y, INTERPRET).to(tl.float32)  # what the unfused GEMV would have stored
     first, second = tl.split(tl.reshape(y, [T_PAD, BP, 2]))  # [T_PAD, BP] each
+    _rotate_and_store(
+        first, second, cos, sin, slot, tokens, tokens < num_tokens, head, d, pair_mask,
+        q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qo_token, stride_qo_head, stride_kc_block,
+        stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+        block_size, A, KV, HALF,
+    )  # fmt: skip
+
+
+@triton.jit
+def _token_angles(positions_ptr, cos_sin_ptr, slot_mapping_ptr, tokens, num_tokens,
+                  num_positions, d, HALF: tl.constexpr):  # fmt: skip
+    """cos, sin [T_PAD, BP] of the tokens' positions (clamped to the table) at frequencies
+    ``d``, and each token's cache slot (-1 past num_tokens). Every token's at once, so that
+    their loads overlap the dot products instead of lengthening each token's epilogue."""
+    token_ok = tokens < num_tokens
+    position = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
+    position = tl.minimum(tl.maximum(position, 0), num_positions - 1).to(tl.int64)
+    angle_ptrs = cos_sin_ptr + position[:, None] * (2 * HALF) + d[None, :]  # [T_PAD, BP]
+    cos, sin = tl.load(angle_ptrs), tl.load(angle_ptrs + HALF)
+    slot = tl.load(slot_mapping_ptr + tokens, mask=token_ok, other=-1).to(tl.int64)
+    return cos, sin, slot
+
+
+@triton.jit
+def _rotate_and_store(
+    first, second, cos, sin, slot, tokens, token_ok, head, d, pair_mask,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qo_token, stride_qo_head, stride_kc_block,
+    stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    block_size, A: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of both fused kernels: rows d (``first``) and d + HALF (``second``) of
+    each pair's head, [T_PAD, BP] bf16-rounded values in fp32, rotated in fp32; q rows to the
+    output, k (rotated) and v rows to the cache at the token's slot (-1: a padded token of a
+    CUDA-graph batch, nothing cached)."""
     rotated_first = first * cos - second * sin
     rotated_second = second * cos + first * sin
-    # q rows to the output, k (rotated) and v rows to the cache at the token's slot (-1: a
-    # padded token of a CUDA-graph batch, nothing cached).
     is_q = (pair_mask & (head < A))[None, :] & token_ok[:, None]
     cached = (token_ok & (slot >= 0))[:, None]
     is_k = (pair_mask & (head >= A) & (head < A + KV))[None, :] & cached
@@ -122,33 +148,72 @@ def qkv_rope_triton(
     """Launches the kernel; contract of ``rope.qkv_rope_and_cache_write`` with its cos/sin
     table ``cos_sin`` [P, D] float32 (``rope.rope_cos_sin_table``; positions are clamped to
     it). ``out`` [T, A, D] (head_dim contiguous) receives q instead of a fresh tensor."""
-    num_tokens, k = x.shape
+    x, q_out = fused_operands(x, k_cache, v_cache, cos_sin, tiles.rows, num_heads, out)
+    if x.shape[0] == 0:
+        return q_out
+    launch_fused(
+        _qkv_rope_kernel, tiles.rows // 2, x, weight, bias, positions, cos_sin, k_cache, v_cache,
+        slot_mapping, q_out, num_heads, num_kv_heads, pdl=pdl, num_warps=tiles.num_warps,
+        K_PAD=triton.next_power_of_2(x.shape[1]), T_PAD=triton.next_power_of_2(x.shape[0]),
+    )  # fmt: skip
+    return q_out
+
+
+def fused_operands(
+    x: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cos_sin: torch.Tensor,
+    rows: int,
+    num_heads: int,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks the fused kernels' operands; (x with unit stride along K, the q output)."""
     head_dim = k_cache.shape[-1]
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
-    if tiles.rows % 2:
-        raise ValueError(f"the fused GEMV deals rows in pairs, got {tiles.rows} rows")
+    if rows % 2:
+        raise ValueError(f"the fused kernels deal rows in pairs, got {rows} rows")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
         raise ValueError(f"cos_sin must be [positions, {head_dim}] float32, got {cos_sin.shape}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    q_out = out if out is not None else x.new_empty(num_tokens, num_heads, head_dim)
+    q_out = out if out is not None else x.new_empty(x.shape[0], num_heads, head_dim)
     if q_out.stride(-1) != 1:
         raise ValueError("the output must be contiguous along head_dim")
-    if num_tokens == 0:
-        return q_out
-    half = head_dim // 2
-    pairs_per_program = tiles.rows // 2
+    return x, q_out
+
+
+def launch_fused(
+    kernel,
+    pairs_per_program: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_out: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    pdl: bool,
+    num_warps: int,
+    **constexprs: int,
+) -> None:
+    """One launch of a fused kernel (this module's or _qkv_rope_mma's: the same arguments
+    but for the kernel's own ``constexprs``), BP = ``pairs_per_program`` pairs a program."""
+    half = k_cache.shape[-1] // 2
     num_pairs = (num_heads + 2 * num_kv_heads) * half
-    launcher(_qkv_rope_kernel)[(triton.cdiv(num_pairs, pairs_per_program),)](
+    launcher(kernel)[(triton.cdiv(num_pairs, pairs_per_program),)](
         x, weight.contiguous(), bias, positions, cos_sin.contiguous(), slot_mapping,
-        q_out, k_cache, v_cache, num_tokens, cos_sin.shape[0], x.stride(0),
+        q_out, k_cache, v_cache, x.shape[0], cos_sin.shape[0], x.stride(0),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
-        A=num_heads, KV=num_kv_heads, HALF=half, K=k, K_PAD=triton.next_power_of_2(k),
-        T_PAD=triton.next_power_of_2(num_tokens), BP=pairs_per_program, PDL=pdl,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=tiles.num_warps,
-        launch_pdl=pdl,
+        A=num_heads, KV=num_kv_heads, HALF=half, K=x.shape[1], BP=pairs_per_program, PDL=pdl,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+        launch_pdl=pdl, **constexprs,
     )  # fmt: skip
-    return q_out

@@ -8,7 +8,9 @@ elsewhere its torch reference.
 projection, then the same rotation and cache write. Where the projection is the decode GEMV
 (``linear.GEMV_MAX_TOKENS`` tokens or fewer, bf16 on CUDA, with a cos/sin table from
 ``rope_cos_sin_table``) both run in one Triton kernel (``_qkv_rope.py``: one launch a layer
-less); otherwise it is ``linear`` then ``rope_and_cache_write``, which is also the reference.
+less), and likewise where it is the tensor-core kernel (up to ``linear.MMA_MAX_TOKENS``:
+``_qkv_rope_mma.py``); otherwise it is ``linear`` then ``rope_and_cache_write``, which is also
+the reference.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import torch
 from gptoss_serve.kernels import linear
 from gptoss_serve.kernels.kv_dtype import check_cache, to_cache
 from gptoss_serve.kernels.launch import pdl_applies
+
+# The fused tensor-core q/k/v kernel's tiles (``rows`` weight rows: half as many NeoX pairs a
+# program); those of the plain projection until measured otherwise. None: the projection and
+# the RoPE kernel apart (bench/step_tiles.py's A/B).
+QKV_MMA_TILES: linear.MmaTiles | None = linear.MMA_TILES
 
 
 def rope_cos_sin(
@@ -147,6 +154,16 @@ def qkv_rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tens
             x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping,
             num_heads=num_heads, num_kv_heads=num_kv_heads,
             tiles=linear.gemv_tiles_for(*qkv_weight.shape), pdl=pdl_applies(pdl, x),
+        )  # fmt: skip
+    # From 3 tokens, where the projection would run the tensor-core kernel, its fused version.
+    fused_mma = QKV_MMA_TILES is not None and linear.mma_applies(x, qkv_weight, x.dtype)
+    if cos_sin is not None and x.is_cuda and fused_mma:
+        from gptoss_serve.kernels._qkv_rope_mma import qkv_rope_mma_triton  # noqa: PLC0415
+
+        return qkv_rope_mma_triton(
+            x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, tiles=QKV_MMA_TILES,
+            pdl=pdl_applies(pdl, x),
         )  # fmt: skip
     qkv = linear.linear(x, qkv_weight, qkv_bias, pdl=pdl)
     return rope_and_cache_write(
