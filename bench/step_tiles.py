@@ -15,7 +15,8 @@ with ``--target dense``, ``gemv_max_tokens`` replaces ``linear.GEMV_MAX_TOKENS``
 batch whose projections take the Triton GEMV), ``mma_max_tokens`` ``linear.MMA_MAX_TOKENS``
 (the largest that takes the Triton tensor-core kernels rather than cuBLAS), ``mma_<field>`` a
 field of ``linear.MMA_TILES`` (the plain projections' tensor-core tiles) and ``qkv_<field>``
-one of ``rope.QKV_MMA_TILES`` (the fused q/k/v + RoPE kernel's; ``qkv_fused=False``: unfused).
+one of ``rope.QKV_MMA_TILES`` (the fused q/k/v + RoPE kernel's; ``qkv_fused=False``: unfused;
+``qkv_max_tokens``: ``rope.QKV_MMA_MAX_TOKENS``, the largest batch it serves).
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
@@ -72,6 +73,7 @@ def apply(target: str, batch: int, fields: dict) -> None:
         linear.MMA_TILES = dataclasses.replace(DEFAULTS["mma_tiles"], **prefixed(fields, "mma_"))
         qkv = prefixed(fields, "qkv_")
         fused = qkv.pop("fused", True)  # qkv_fused=False: the projection and RoPE apart
+        rope.QKV_MMA_MAX_TOKENS = qkv.pop("max_tokens", DEFAULTS["qkv_max"])
         rope.QKV_MMA_TILES = dataclasses.replace(DEFAULTS["qkv_tiles"], **qkv) if fused else None
         if fields:
             raise ValueError(f"dense variants take gemv_max_tokens, mma_max_tokens, mma_<field>, "
@@ -98,11 +100,13 @@ def restore() -> None:
     small.PER_PAIR_MAX_TOKENS_BY_CARD = DEFAULTS["per_pair"]
     linear.GEMV_MAX_TOKENS, linear.MMA_MAX_TOKENS = DEFAULTS["dense"], DEFAULTS["mma"]
     linear.MMA_TILES, rope.QKV_MMA_TILES = DEFAULTS["mma_tiles"], DEFAULTS["qkv_tiles"]
+    rope.QKV_MMA_MAX_TOKENS = DEFAULTS["qkv_max"]
 
 
 DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
             "dense": linear.GEMV_MAX_TOKENS, "mma": linear.MMA_MAX_TOKENS,
             "mma_tiles": linear.MMA_TILES, "qkv_tiles": rope.QKV_MMA_TILES,
+            "qkv_max": rope.QKV_MMA_MAX_TOKENS,
             "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD}  # fmt: skip
 
 
@@ -141,7 +145,8 @@ def main() -> int:
     moe_row = small.decode_tiles_for(args.batch, torch.device("cuda"))
     dense_row = (
         f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS},MMA_MAX_TOKENS={linear.MMA_MAX_TOKENS},"
-        f"MMA_TILES={linear.MMA_TILES},QKV_MMA_TILES={rope.QKV_MMA_TILES}"
+        f"MMA_TILES={linear.MMA_TILES},QKV_MMA_TILES={rope.QKV_MMA_TILES},"
+        f"QKV_MMA_MAX_TOKENS={rope.QKV_MMA_MAX_TOKENS}"
     )
     table_row = {"attention": attention.gpu_tiles_for(args.batch), "dense": dense_row}.get(
         args.target, moe_row

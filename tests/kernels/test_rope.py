@@ -16,8 +16,9 @@ from compare import assert_close, assert_fp8_near, poisoned
 
 from gptoss_serve.config import RopeConfig
 from gptoss_serve.kernels.kv_dtype import FP8, to_cache
-from gptoss_serve.kernels.linear import GEMV_MAX_TOKENS, MMA_MAX_TOKENS, linear
+from gptoss_serve.kernels.linear import GEMV_MAX_TOKENS, linear
 from gptoss_serve.kernels.rope import (
+    QKV_MMA_MAX_TOKENS,
     apply_rope,
     qkv_rope_and_cache_write,
     qkv_rope_and_cache_write_reference,
@@ -257,10 +258,13 @@ def _check_fused(
     )  # fmt: skip
     out_buffer = poisoned((tokens, heads, head_dim + 3), torch.bfloat16, device)
     out = out_buffer[..., :head_dim]
-    # 2 NeoX pairs a program (the GPU's tile), then 1; on the tensor cores the table's tiles
-    # (32 pairs) and 16 pairs on a shorter pipeline (interpreted: 64-column steps, 2 stages)
-    mma_tiles = [MmaTiles(rows=32, block_k=64, num_stages=2)] if device == "cpu" else [
-        MmaTiles(), MmaTiles(rows=32, num_stages=3)]  # fmt: skip
+    # 2 NeoX pairs a program (the GPU's tile), then 1; on the tensor cores (whole heads of a
+    # power-of-two size) the table's tiles (one head) and two heads on a shorter pipeline
+    # (interpreted: two heads, 64-column steps, 2 stages)
+    mma_tiles = [MmaTiles(rows=2 * head_dim, block_k=64, num_stages=2)] if device == "cpu" else [
+        MmaTiles(), MmaTiles(rows=128, num_stages=3)]  # fmt: skip
+    if head_dim & (head_dim - 1):
+        mma_tiles = []
     launches = [(qkv_rope_triton, GemvTiles(rows, 4)) for rows in (4, 2)]
     launches += [(qkv_rope_mma_triton, tiles) for tiles in mma_tiles]
     for launch, tiles in launches:
@@ -328,11 +332,12 @@ def test_fused_qkv_kernel_gpu_fp8_cache(tokens: int) -> None:
 @pytest.mark.gpu
 @not_interpreted
 @pytest.mark.parametrize(
-    "tokens", [1, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, 8, MMA_MAX_TOKENS, MMA_MAX_TOKENS + 1]
+    "tokens",
+    [1, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, 8, QKV_MMA_MAX_TOKENS, QKV_MMA_MAX_TOKENS + 1],
 )
 def test_fused_qkv_dispatch_gpu(tokens: int) -> None:
     """The op (fused GEMV up to GEMV_MAX_TOKENS, the fused tensor-core kernel up to
-    MMA_MAX_TOKENS, linear + rope kernel beyond) against the unfused kernels: the same bf16
+    QKV_MMA_MAX_TOKENS, linear + rope kernel beyond) against the unfused kernels: the same bf16
     q/k/v values, so the same outputs up to an output rounding."""
     x, weight, bias, positions, inv_freq, cache, slots = _qkv_case((tokens, 64, 8, 64, 2880),
                                                                    "cuda")  # fmt: skip

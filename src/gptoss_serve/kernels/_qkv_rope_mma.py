@@ -4,11 +4,12 @@ tensor cores with the RoPE and the paged K/V write in its epilogue, so those ste
 separate RoPE launch either (``_qkv_rope.py`` is the GEMV's version, for 1-2 tokens).
 
 It is ``_linear_mma._linear_mma_kernel`` (weight rows as the MMA's left operand, streamed over
-K through a NUM_STAGES-deep software pipeline, the tokens as its columns) with the rows dealt
-in NeoX pairs: a program owns BP pairs (d, d + D/2) of the q, k and v heads and runs two
-products, rows d and rows d + D/2, whose [BP, T] accumulators line up element for element,
-which is what a rotation needs. Their sums plus the bias are rounded to bf16 (the value the
-unfused projection stores) and go through ``_qkv_rope._rotate_and_store``.
+K through a NUM_STAGES-deep software pipeline, the tokens as its columns) whose program owns
+whole heads (2·BP contiguous rows, BP NeoX pairs; 64 rows from 64 rows a program run as one
+wgmma, where two products of the pairs' halves, 32 rows each, ran as mma.sync and lost 0.6%
+of the whole step at batch 8: bench/RESULTS.md v24). The sums plus the bias are rounded to
+bf16 (the value the unfused projection stores), the halves of each head paired in registers
+(reshape, permute, split) and sent through ``_qkv_rope._rotate_and_store``.
 """
 
 # Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
@@ -28,6 +29,7 @@ from gptoss_serve.kernels._qkv_rope import (
     launch_fused,
 )
 from gptoss_serve.kernels.linear import MmaTiles
+from gptoss_serve.kernels.rope import whole_heads
 
 
 @triton.jit
@@ -40,38 +42,37 @@ def _qkv_rope_mma_kernel(
     BK: tl.constexpr, T_PAD: tl.constexpr, BP: tl.constexpr, NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """BP NeoX pairs of the (A + 2·KV) heads' rows, every token m < num_tokens (≤ T_PAD).
+    """BP / HALF whole heads (2·BP contiguous rows), every token m < num_tokens (≤ T_PAD).
     PDL as in _qkv_rope._qkv_rope_kernel: the decode attention may launch at once."""
     if PDL:
         gdc_launch_dependents()
-    NUM_PAIRS: tl.constexpr = (A + 2 * KV) * HALF
+    HEADS: tl.constexpr = BP // HALF  # a program's heads
+    NUM_ROWS: tl.constexpr = (A + 2 * KV) * 2 * HALF
+    rows = tl.program_id(0) * 2 * BP + tl.arange(0, 2 * BP)
+    rows = tl.minimum(rows, NUM_ROWS - 1)  # the last program's extra rows re-read a real row
+    bias = tl.load(bias_ptr + rows).to(tl.float32)
     pairs = tl.program_id(0) * BP + tl.arange(0, BP)
-    pair_mask = pairs < NUM_PAIRS
-    pairs = tl.minimum(pairs, NUM_PAIRS - 1)  # the last program's extra pairs re-read real rows
+    pair_mask = pairs < NUM_ROWS // 2
     head, d = pairs // HALF, pairs % HALF  # [BP]
-    first_rows = head * 2 * HALF + d  # row d of the pair's head; row d + HALF is its partner
-    bias_first = tl.load(bias_ptr + first_rows).to(tl.float32)
-    bias_second = tl.load(bias_ptr + first_rows + HALF).to(tl.float32)
     tokens = tl.arange(0, T_PAD)
     if PDL:
         gdc_wait()  # x, positions and slots come from earlier kernels or uploads
     cos, sin, slot = _token_angles(positions_ptr, cos_sin_ptr, slot_mapping_ptr, tokens,
                                    num_tokens, num_positions, d, HALF)  # fmt: skip
-    acc_first = tl.zeros([BP, T_PAD], tl.float32)
-    acc_second = tl.zeros([BP, T_PAD], tl.float32)
-    w_ptrs = weight_ptr + first_rows.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([2 * BP, T_PAD], tl.float32)
+    w_ptrs = weight_ptr + rows.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
     x_ptrs = x_ptr + tokens[None, :] * stride_x + tl.arange(0, BK)[:, None]
     token_mask = tokens < num_tokens
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         k_mask = (k0 + tl.arange(0, BK)) < K
-        w_first = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)  # [BP, BK]
-        w_second = tl.load(w_ptrs + HALF * K + k0, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)  # [2·BP, BK]
         x = tl.load(x_ptrs + k0, mask=k_mask[:, None] & token_mask[None, :], other=0.0)
-        acc_first = _dot(w_first, x, acc_first, INTERPRET)  # [BP, T_PAD]
-        acc_second = _dot(w_second, x, acc_second, INTERPRET)
-    # what the unfused projection would have stored, as [T_PAD, BP] for the shared epilogue
-    first = tl.trans(_to_bf16(acc_first + bias_first[:, None], INTERPRET).to(tl.float32))
-    second = tl.trans(_to_bf16(acc_second + bias_second[:, None], INTERPRET).to(tl.float32))
+        acc = _dot(w, x, acc, INTERPRET)  # [2·BP, T_PAD]
+    # what the unfused projection would have stored; row h·2·HALF + s·HALF + d is pair
+    # h·HALF + d's first (s = 0) or second (s = 1) value: to [T_PAD, BP] each for the epilogue
+    y = _to_bf16(acc + bias[:, None], INTERPRET).to(tl.float32)
+    y = tl.permute(tl.reshape(y, [HEADS, 2, HALF, T_PAD]), [3, 0, 2, 1])
+    first, second = tl.split(tl.reshape(y, [T_PAD, BP, 2]))
     _rotate_and_store(
         first, second, cos, sin, slot, tokens, token_mask, head, d, pair_mask,
         q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qo_token, stride_qo_head, stride_kc_block,
@@ -96,8 +97,12 @@ def qkv_rope_mma_triton(
     out: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """As ``_qkv_rope.qkv_rope_triton``, on the tensor cores: ``tiles.rows`` weight rows (half
-    as many pairs) a program, at most 256 tokens."""
+    """As ``_qkv_rope.qkv_rope_triton``, on the tensor cores: ``tiles.rows`` weight rows (whole
+    heads) a program, at most 256 tokens."""
+    head_dim = k_cache.shape[-1]
+    if not whole_heads(tiles, head_dim):
+        raise ValueError(f"the tensor-core kernel takes whole heads of a power-of-two size "
+                         f"({head_dim} rows), got {tiles.rows} rows")  # fmt: skip
     x, q_out = fused_operands(x, k_cache, v_cache, cos_sin, tiles.rows, num_heads, out)
     num_tokens = x.shape[0]
     if num_tokens == 0:

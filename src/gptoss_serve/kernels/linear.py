@@ -90,9 +90,13 @@ class MmaTiles:
 MMA_TILES = MmaTiles()
 
 
-def mma_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether ``linear`` runs the tensor-core kernel for these operands (on CUDA)."""
-    return _triton_takes(x, weight, out_dtype) and GEMV_MAX_TOKENS < x.shape[0] <= MMA_MAX_TOKENS
+def mma_applies(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, max_tokens: int | None = None
+) -> bool:
+    """Whether ``linear`` runs the tensor-core kernel for these operands (on CUDA); with
+    ``max_tokens``, whether it would up to that many tokens instead of MMA_MAX_TOKENS."""
+    max_tokens = MMA_MAX_TOKENS if max_tokens is None else max_tokens
+    return _triton_takes(x, weight, out_dtype) and GEMV_MAX_TOKENS < x.shape[0] <= max_tokens
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:

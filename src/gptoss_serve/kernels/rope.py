@@ -21,10 +21,19 @@ from gptoss_serve.kernels import linear
 from gptoss_serve.kernels.kv_dtype import check_cache, to_cache
 from gptoss_serve.kernels.launch import pdl_applies
 
-# The fused tensor-core q/k/v kernel's tiles (``rows`` weight rows: half as many NeoX pairs a
-# program); those of the plain projection until measured otherwise. None: the projection and
-# the RoPE kernel apart (bench/step_tiles.py's A/B).
+# The fused tensor-core q/k/v kernel's tiles (``rows`` weight rows, whole heads, a program)
+# and the token counts it serves (from linear.GEMV_MAX_TOKENS + 1); those of the plain
+# projection until measured otherwise. None: the projection and the RoPE kernel apart
+# (bench/step_tiles.py's A/B).
 QKV_MMA_TILES: linear.MmaTiles | None = linear.MMA_TILES
+QKV_MMA_MAX_TOKENS = linear.MMA_MAX_TOKENS
+
+
+def whole_heads(tiles: linear.MmaTiles, head_dim: int) -> bool:
+    """Whether the fused tensor-core kernel runs these tiles for heads of ``head_dim``: whole
+    heads a program, a power-of-two number of rows."""
+    rows = tiles.rows
+    return rows % head_dim == 0 and rows & (rows - 1) == 0
 
 
 def rope_cos_sin(
@@ -155,15 +164,20 @@ def qkv_rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tens
             num_heads=num_heads, num_kv_heads=num_kv_heads,
             tiles=linear.gemv_tiles_for(*qkv_weight.shape), pdl=pdl_applies(pdl, x),
         )  # fmt: skip
-    # From 3 tokens, where the projection would run the tensor-core kernel, its fused version.
-    fused_mma = QKV_MMA_TILES is not None and linear.mma_applies(x, qkv_weight, x.dtype)
-    if cos_sin is not None and x.is_cuda and fused_mma:
+    # From 3 tokens to QKV_MMA_MAX_TOKENS: the tensor-core projection with the same epilogue.
+    tiles = QKV_MMA_TILES
+    if (
+        cos_sin is not None
+        and x.is_cuda
+        and tiles is not None
+        and whole_heads(tiles, head_dim)
+        and linear.mma_applies(x, qkv_weight, x.dtype, QKV_MMA_MAX_TOKENS)
+    ):
         from gptoss_serve.kernels._qkv_rope_mma import qkv_rope_mma_triton  # noqa: PLC0415
 
         return qkv_rope_mma_triton(
             x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping,
-            num_heads=num_heads, num_kv_heads=num_kv_heads, tiles=QKV_MMA_TILES,
-            pdl=pdl_applies(pdl, x),
+            num_heads=num_heads, num_kv_heads=num_kv_heads, tiles=tiles, pdl=pdl_applies(pdl, x),
         )  # fmt: skip
     qkv = linear.linear(x, qkv_weight, qkv_bias, pdl=pdl)
     return rope_and_cache_write(
