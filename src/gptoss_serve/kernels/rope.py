@@ -21,12 +21,14 @@ from gptoss_serve.kernels import linear
 from gptoss_serve.kernels.kv_dtype import check_cache, to_cache
 from gptoss_serve.kernels.launch import pdl_applies
 
-# The fused tensor-core q/k/v kernel's tiles (``rows`` weight rows, whole heads, a program)
-# and the token counts it serves (from linear.GEMV_MAX_TOKENS + 1); those of the plain
-# projection until measured otherwise. None: the projection and the RoPE kernel apart
-# (bench/step_tiles.py's A/B).
+# The fused tensor-core q/k/v kernel's tiles (``rows`` weight rows, whole heads, a program;
+# None: the projection and the RoPE kernel apart) and the largest batch it serves (from
+# linear.GEMV_MAX_TOKENS + 1), where cuBLAS takes the plain projections from 17 tokens. Whole
+# 120b step on the H200 (bench/step_tiles.py --target dense, bench/RESULTS.md v24), fused
+# against apart: batch 4 4.20 / 4.31 ms, 8 5.89 / 6.03, 16 9.08 / 9.25, 32 12.66 / 12.80-12.81
+# (apart on cuBLAS), 64 17.34-17.48 / 17.49-18.05; two heads a program lost at 8 and 16.
 QKV_MMA_TILES: linear.MmaTiles | None = linear.MMA_TILES
-QKV_MMA_MAX_TOKENS = linear.MMA_MAX_TOKENS
+QKV_MMA_MAX_TOKENS = 64
 
 
 def whole_heads(tiles: linear.MmaTiles, head_dim: int) -> bool:
