@@ -115,18 +115,6 @@ def test_mma_interpreted(num_tokens: int, out_dtype: torch.dtype) -> None:
     _check(num_tokens, 16, 128, "cpu", out_dtype, has_bias=False, tiles=tiles)
 
 
-@interpreter
-@pytest.mark.parametrize("min_programs", [6, 9, 24])
-def test_mma_split_k_interpreted(min_programs: int) -> None:
-    """K split in parts (3 row tiles: 2, 3 parts, and 4 parts of the 4 steps: one each), the
-    last program of a row tile summing them; twice, so the second call finds the counters the
-    first one left (at zero)."""
-    tiles = MmaTiles(rows=16, block_k=64, num_stages=2, min_programs=min_programs)
-    assert tiles.split_k(37, 200) == {6: 2, 9: 3, 24: 4}[min_programs]
-    for _ in range(2):
-        _check(5, 37, 200, "cpu", torch.float32, tiles=tiles)
-
-
 def test_mma_takes_the_tokens_between_the_gemv_and_cublas() -> None:
     x = torch.zeros(MMA_MAX_TOKENS + 1, 64, dtype=torch.bfloat16)
     weight = torch.zeros(32, 64, dtype=torch.bfloat16)
@@ -145,24 +133,6 @@ def test_mma_gpu(num_tokens: int, num_rows: int, k: int) -> None:
     for out_dtype in (torch.bfloat16, torch.float32):
         _check(num_tokens, num_rows, k, "cuda", out_dtype, tiles=MmaTiles())
         _check(num_tokens, num_rows, k, "cuda", out_dtype, tiles=MmaTiles(rows=16, num_stages=3))
-
-
-@pytest.mark.gpu
-@not_interpreted
-@pytest.mark.parametrize("num_tokens", [3, 17, 64])
-@pytest.mark.parametrize("min_programs", [132, 264, 2000])
-@pytest.mark.parametrize(("num_rows", "k"), [(5120, 2880), (2880, 4096)], ids=["qkv", "o"])
-def test_mma_split_k_gpu(num_tokens: int, min_programs: int, num_rows: int, k: int) -> None:
-    """K in parts (2000 programs: one 128-column step each, some parts empty); the same
-    outputs twice in a row, bit for bit (the parts summed in order)."""
-    from gptoss_serve.kernels._linear_mma import linear_mma_triton  # noqa: PLC0415
-
-    tiles = MmaTiles(min_programs=min_programs)
-    assert tiles.split_k(num_rows, k) > 1
-    _check(num_tokens, num_rows, k, "cuda", torch.float32, tiles=tiles)
-    x, weight, bias = _inputs(num_tokens, num_rows, k, "cuda")
-    first = linear_mma_triton(x, weight, bias, torch.bfloat16, tiles, pdl=True)
-    assert torch.equal(first, linear_mma_triton(x, weight, bias, torch.bfloat16, tiles, pdl=True))
 
 
 @pytest.mark.gpu
@@ -190,7 +160,7 @@ def test_mma_kernel_builds_a_pipelined_wgmma_for_sm90() -> None:
     from gptoss_serve.kernels.linear import MMA_TILES  # noqa: PLC0415
 
     constexprs = dict(K=2880, BM=MMA_TILES.rows, BK=MMA_TILES.block_k, T_PAD=16, HAS_BIAS=True,
-                      OUT_FP32=False, PDL=True, NUM_STAGES=MMA_TILES.num_stages, SPLIT_K=1,
+                      OUT_FP32=False, PDL=True, NUM_STAGES=MMA_TILES.num_stages,
                       INTERPRET=False)  # fmt: skip
     pointers = {name: "*bf16" for name in ("x_ptr", "weight_ptr", "bias_ptr", "out_ptr")}
     ptx = compile_sm90(_linear_mma._linear_mma_kernel, constexprs, pointers,

@@ -259,12 +259,10 @@ def _check_fused(
     out_buffer = poisoned((tokens, heads, head_dim + 3), torch.bfloat16, device)
     out = out_buffer[..., :head_dim]
     # 2 NeoX pairs a program (the GPU's tile), then 1; on the tensor cores (whole heads of a
-    # power-of-two size) the table's tiles (one head), two heads on a shorter pipeline, K in
-    # 4 parts (interpreted: two heads, 64-column steps, 2 stages; K in parts of 16 columns)
-    mma_tiles = [MmaTiles(rows=2 * head_dim, block_k=64, num_stages=2),
-                 MmaTiles(rows=2 * head_dim, block_k=16, num_stages=2, min_programs=99)] if (
-        device == "cpu") else [MmaTiles(), MmaTiles(rows=128, num_stages=3),
-                               MmaTiles(min_programs=264)]  # fmt: skip
+    # power-of-two size) the table's tiles (one head) and two heads on a shorter pipeline
+    # (interpreted: two heads, 64-column steps, 2 stages)
+    mma_tiles = [MmaTiles(rows=2 * head_dim, block_k=64, num_stages=2)] if device == "cpu" else [
+        MmaTiles(), MmaTiles(rows=128, num_stages=3)]  # fmt: skip
     if head_dim & (head_dim - 1):
         mma_tiles = []
     launches = [(qkv_rope_triton, GemvTiles(rows, 4)) for rows in (4, 2)]

@@ -201,15 +201,13 @@ def launch_fused(
     *,
     pdl: bool,
     num_warps: int,
-    split: int = 1,
-    **extra: object,
+    **constexprs: int,
 ) -> None:
     """One launch of a fused kernel (this module's or _qkv_rope_mma's: the same arguments
-    but for the kernel's own, ``extra``), BP = ``pairs_per_program`` pairs a program, ``split``
-    programs of them (the K parts of _qkv_rope_mma's)."""
+    but for the kernel's own ``constexprs``), BP = ``pairs_per_program`` pairs a program."""
     half = k_cache.shape[-1] // 2
     num_pairs = (num_heads + 2 * num_kv_heads) * half
-    launcher(kernel)[(triton.cdiv(num_pairs, pairs_per_program), split)](
+    launcher(kernel)[(triton.cdiv(num_pairs, pairs_per_program),)](
         x, weight.contiguous(), bias, positions, cos_sin.contiguous(), slot_mapping,
         q_out, k_cache, v_cache, x.shape[0], cos_sin.shape[0], x.stride(0),
         q_out.stride(0), q_out.stride(1),
@@ -217,5 +215,5 @@ def launch_fused(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
         A=num_heads, KV=num_kv_heads, HALF=half, K=x.shape[1], BP=pairs_per_program, PDL=pdl,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-        launch_pdl=pdl, **extra,
+        launch_pdl=pdl, **constexprs,
     )  # fmt: skip

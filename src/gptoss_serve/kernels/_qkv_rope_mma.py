@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gptoss_serve.kernels._linear_mma import _split_k_sum, _weight_rows_times_x, split_k_buffers
-from gptoss_serve.kernels._moe_common import _to_bf16
+from gptoss_serve.kernels._moe_common import _dot, _to_bf16
 from gptoss_serve.kernels._qkv_rope import (
     _rotate_and_store,
     _token_angles,
@@ -38,15 +37,13 @@ def _qkv_rope_mma_kernel(
     x_ptr, weight_ptr, bias_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
     q_out_ptr, k_cache_ptr, v_cache_ptr, num_tokens, num_positions, stride_x,
     stride_qo_token, stride_qo_head, stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head, block_size, partial_ptr, counter_ptr,
+    stride_vc_block, stride_vc_slot, stride_vc_head, block_size,
     A: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, K: tl.constexpr,
     BK: tl.constexpr, T_PAD: tl.constexpr, BP: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, INTERPRET: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+    PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """BP / HALF whole heads (2·BP contiguous rows), every token m < num_tokens (≤ T_PAD);
-    program (row tile, K part) of SPLIT_K parts (_linear_mma._split_k_sum: the last part's
-    program runs the epilogue). PDL as in _qkv_rope._qkv_rope_kernel: the decode attention
-    may launch at once."""
+    """BP / HALF whole heads (2·BP contiguous rows), every token m < num_tokens (≤ T_PAD).
+    PDL as in _qkv_rope._qkv_rope_kernel: the decode attention may launch at once."""
     if PDL:
         gdc_launch_dependents()
     HEADS: tl.constexpr = BP // HALF  # a program's heads
@@ -62,13 +59,15 @@ def _qkv_rope_mma_kernel(
         gdc_wait()  # x, positions and slots come from earlier kernels or uploads
     cos, sin, slot = _token_angles(positions_ptr, cos_sin_ptr, slot_mapping_ptr, tokens,
                                    num_tokens, num_positions, d, HALF)  # fmt: skip
+    acc = tl.zeros([2 * BP, T_PAD], tl.float32)
+    w_ptrs = weight_ptr + rows.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
+    x_ptrs = x_ptr + tokens[None, :] * stride_x + tl.arange(0, BK)[:, None]
     token_mask = tokens < num_tokens
-    acc = _weight_rows_times_x(x_ptr, weight_ptr, rows, tokens, token_mask, stride_x, K, 2 * BP,
-                               BK, T_PAD, NUM_STAGES, SPLIT_K, INTERPRET)  # fmt: skip
-    if SPLIT_K > 1:
-        last, acc = _split_k_sum(acc, partial_ptr, counter_ptr, 2 * BP, T_PAD, SPLIT_K)
-        if not last:
-            return
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        k_mask = (k0 + tl.arange(0, BK)) < K
+        w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)  # [2·BP, BK]
+        x = tl.load(x_ptrs + k0, mask=k_mask[:, None] & token_mask[None, :], other=0.0)
+        acc = _dot(w, x, acc, INTERPRET)  # [2·BP, T_PAD]
     # what the unfused projection would have stored; row h·2·HALF + s·HALF + d is pair
     # h·HALF + d's first (s = 0) or second (s = 1) value: to [T_PAD, BP] each for the epilogue
     y = _to_bf16(acc + bias[:, None], INTERPRET).to(tl.float32)
@@ -110,14 +109,10 @@ def qkv_rope_mma_triton(
         return q_out
     if num_tokens > 256:
         raise ValueError(f"the MMA's token columns are at most 256, got {num_tokens} tokens")
-    t_pad = max(16, triton.next_power_of_2(num_tokens))
-    split, partial, counters = split_k_buffers(tiles, weight.shape[0], x.shape[1], t_pad,
-                                               x.device)  # fmt: skip
     launch_fused(
         _qkv_rope_mma_kernel, tiles.rows // 2, x, weight, bias, positions, cos_sin, k_cache,
         v_cache, slot_mapping, q_out, num_heads, num_kv_heads, pdl=pdl,
-        num_warps=tiles.num_warps, split=split, BK=tiles.block_k, NUM_STAGES=tiles.num_stages,
-        T_PAD=t_pad, SPLIT_K=split, partial_ptr=q_out if partial is None else partial,
-        counter_ptr=q_out if counters is None else counters,
+        num_warps=tiles.num_warps, BK=tiles.block_k, NUM_STAGES=tiles.num_stages,
+        T_PAD=max(16, triton.next_power_of_2(num_tokens)),
     )  # fmt: skip
     return q_out

@@ -85,17 +85,6 @@ class MmaTiles:
     block_k: int = 128  # columns of K per pipelined step
     num_stages: int = 5
     num_warps: int = 4
-    # K split into parts until the grid has at least this many programs (0: never split):
-    # with few row tiles (the o projection's 45, q/k/v's 80) the grid leaves SMs idle. The
-    # last part's program of a row tile sums the parts' fp32 tiles in part order
-    # (deterministic) and runs the epilogue (_linear_mma._split_k_sum).
-    min_programs: int = 0
-
-    def split_k(self, num_rows: int, k: int) -> int:
-        """K parts for an [num_rows, k] weight: enough for ``min_programs`` programs, at most
-        one step of ``block_k`` columns each."""
-        row_tiles = -(-num_rows // self.rows)
-        return max(1, min(-(-self.min_programs // row_tiles), -(-k // self.block_k)))
 
 
 MMA_TILES = MmaTiles()
