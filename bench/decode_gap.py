@@ -2,7 +2,7 @@
 against the device's busy time, its idle gaps and its kernels.
 
     cd bench && python3 decode_gap.py [--batch 64] [--context 1024] [--steps 40]
-                                      [--out results/decode_gap.json]
+                                      [--out results/decode_gap.json] [--qkv-mma-max-tokens N]
 
 As `gptoss-serve bench` times ``decode_conc<B>_tok_s``: B requests of ``--context`` random prompt
 tokens, temperature 1, top_p 1, a seed each, every prefill and first token first; then
@@ -32,6 +32,7 @@ from gptoss_serve.benchmarks import engine_bench as eb
 from gptoss_serve.config import EngineConfig, SchedulerConfig
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.synthetic_weights import synthetic_model_config, synthetic_weights
+from gptoss_serve.kernels import rope
 
 logger = logging.getLogger("bench.decode_gap")
 GAP_US = 5.0  # idle stretches shorter than this are a kernel boundary, not a gap
@@ -68,8 +69,12 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, default=Path("results/decode_gap.json"))
+    parser.add_argument("--qkv-mma-max-tokens", type=int, default=rope.QKV_MMA_MAX_TOKENS,
+                        help="rope.QKV_MMA_MAX_TOKENS for this run (an A/B of the fused "
+                             "tensor-core q/k/v against cuBLAS and the RoPE kernel)")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rope.QKV_MMA_MAX_TOKENS = args.qkv_mma_max_tokens
     weights = synthetic_weights(synthetic_model_config("synthetic-120b"), device="cuda")
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.batch))
     make_core, _, _ = build_engine(weights, config)
@@ -100,7 +105,8 @@ def main() -> int:
     step_us = statistics.median(walls)
     result = {
         "device": torch.cuda.get_device_name(), "batch": args.batch, "context": args.context,
-        "steps": args.steps, "host_step_us_median": round(step_us, 1),
+        "steps": args.steps, "qkv_mma_max_tokens": rope.QKV_MMA_MAX_TOKENS,
+        "host_step_us_median": round(step_us, 1),
         "host_step_us_mean": round(statistics.mean(walls), 1),
         "host_step_us_spread": [round(min(walls), 1), round(max(walls), 1)],
         "tok_s": round(args.batch / statistics.mean(walls) * 1e6, 1),
