@@ -8,7 +8,8 @@ As `gptoss-serve bench` times ``decode_conc<B>_tok_s``: B requests of ``--contex
 tokens, temperature 1, top_p 1, a seed each, every prefill and first token first; then
 ``--steps`` engine steps (``EngineCore.step``, async scheduling as the engine runs) timed on
 the host (one at a time: with async scheduling a step's host time is bimodal, so the mean is
-the rate), and as many again under torch.profiler (CUDA activity only): the union of the
+the rate; and as many again after the profile, to tell the order's effect from the
+profiler's), and as many again under torch.profiler (CUDA activity only): the union of the
 kernels' intervals against the profiled window (the device's busy share), the idle gaps of
 more than 5 us between kernels (count and time a step), and each kernel's time a step.
 """
@@ -97,6 +98,11 @@ def main() -> int:
             scenario.step()
         torch.cuda.synchronize()
         profiled_wall = (time.perf_counter() - started) * 1e6
+    after = []  # the same steps timed again after the profiled ones: is the order the cause?
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        scenario.step()
+        after.append((time.perf_counter() - started) * 1e6)
     spans = device_timeline(prof)
     timeline = busy_and_gaps(spans)
     per_kernel: dict[str, float] = collections.defaultdict(float)
@@ -110,6 +116,7 @@ def main() -> int:
         "host_step_us_mean": round(statistics.mean(walls), 1),
         "host_step_us_spread": [round(min(walls), 1), round(max(walls), 1)],
         "tok_s": round(args.batch / statistics.mean(walls) * 1e6, 1),
+        "host_step_us_mean_after_profile": round(statistics.mean(after), 1),
         "profiled_step_us": round(profiled_wall / args.steps, 1),
         "device_busy_us_per_step": round(timeline["busy_us"] / args.steps, 1),
         "device_window_us_per_step": round(timeline["window_us"] / args.steps, 1),
@@ -121,7 +128,8 @@ def main() -> int:
     out = sys.stdout
     out.write(f"batch {args.batch}, {args.context} context: host step median {step_us:.1f} us "
               f"(mean {result['host_step_us_mean']}: {result['tok_s']} tok/s; "
-              f"{min(walls):.0f}-{max(walls):.0f}); profiled "
+              f"{min(walls):.0f}-{max(walls):.0f}; after the profile: mean "
+              f"{result['host_step_us_mean_after_profile']}); profiled "
               f"{result['profiled_step_us']} us a step, device busy "
               f"{result['device_busy_us_per_step']} us of a {result['device_window_us_per_step']}"
               f" us window, {result['gaps_per_step']} gaps > {GAP_US:.0f} us a step "
