@@ -368,3 +368,31 @@ def test_cos_sin_table_rows_are_rope_cos_sin() -> None:
     cos, sin = rope_cos_sin(positions, inv_freq, 1.3)
     assert table.shape == (4096, 64) and table.dtype == torch.float32
     assert torch.equal(table[positions], torch.cat((cos, sin), dim=1))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU")
+@pytest.mark.parametrize("t_pad", [16, 64])
+def test_fused_mma_kernel_builds_a_pipelined_wgmma_for_sm90(t_pad: int) -> None:
+    """The fused tensor-core kernel's table tiles (sm_90 build, 120b shapes): a head is one
+    wgmma (its two 32-row halves as two products compiled to mma.sync and lost, RESULTS v24),
+    the weight stream goes through cp.async after the PDL wait, nothing spills."""
+    from moe_cases import compile_sm90  # noqa: PLC0415
+
+    from gptoss_serve.kernels import _qkv_rope_mma  # noqa: PLC0415
+    from gptoss_serve.kernels.rope import QKV_MMA_TILES  # noqa: PLC0415
+
+    tiles = QKV_MMA_TILES
+    constexprs = dict(A=64, KV=8, HALF=32, K=2880, BK=tiles.block_k, T_PAD=t_pad,
+                      BP=tiles.rows // 2, NUM_STAGES=tiles.num_stages, PDL=True,
+                      INTERPRET=False)  # fmt: skip
+    pointers = {name: "*bf16" for name in ("x_ptr", "weight_ptr", "bias_ptr", "q_out_ptr",
+                                           "k_cache_ptr", "v_cache_ptr")}  # fmt: skip
+    pointers |= {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
+    ptx = compile_sm90(_qkv_rope_mma._qkv_rope_mma_kernel, constexprs, pointers,
+                       dict(num_warps=tiles.num_warps))  # fmt: skip
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    assert "cp.async" not in before
+    assert "cp.async" in after and "wgmma" in after and "mma.sync" not in ptx
+    assert ".local" not in ptx

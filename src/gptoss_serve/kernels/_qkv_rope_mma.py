@@ -1,15 +1,15 @@
-"""Triton body of ``rope.qkv_rope_and_cache_write`` for the tokens the tensor-core projection
-serves (``linear.mma_applies``: 3 to ``linear.MMA_MAX_TOKENS``): the q/k/v product on the
-tensor cores with the RoPE and the paged K/V write in its epilogue, so those steps have no
-separate RoPE launch either (``_qkv_rope.py`` is the GEMV's version, for 1-2 tokens).
+"""Triton body of ``rope.qkv_rope_and_cache_write`` from 3 to ``rope.QKV_MMA_MAX_TOKENS``
+tokens: the q/k/v product on the tensor cores with the RoPE and the paged K/V write in its
+epilogue, so those steps have no separate RoPE launch either (``_qkv_rope.py`` is the GEMV's
+version, for 1-2 tokens).
 
 It is ``_linear_mma._linear_mma_kernel`` (weight rows as the MMA's left operand, streamed over
 K through a NUM_STAGES-deep software pipeline, the tokens as its columns) whose program owns
-whole heads (2·BP contiguous rows, BP NeoX pairs; 64 rows from 64 rows a program run as one
-wgmma, where two products of the pairs' halves, 32 rows each, ran as mma.sync and lost 0.6%
-of the whole step at batch 8: bench/RESULTS.md v24). The sums plus the bias are rounded to
-bf16 (the value the unfused projection stores), the halves of each head paired in registers
-(reshape, permute, split) and sent through ``_qkv_rope._rotate_and_store``.
+whole heads: 2·BP contiguous rows, BP NeoX pairs. A head of 64 rows is one wgmma of M = 64
+(two 32-row products, one per half of the pairs, compiled to mma.sync and lost 0.6% of the
+whole step at batch 8: bench/RESULTS.md v24). The sums plus the bias are rounded to bf16 (the
+value the unfused projection stores), the halves of each head paired in registers (reshape,
+permute, split) and sent through ``_qkv_rope._rotate_and_store``.
 """
 
 # Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
