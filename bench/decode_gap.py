@@ -9,7 +9,8 @@ tokens, temperature 1, top_p 1, a seed each, every prefill and first token first
 ``--steps`` engine steps (``EngineCore.step``, async scheduling as the engine runs) timed on
 the host (one at a time: with async scheduling a step's host time is bimodal, so the mean is
 the rate; and as many again after the profile, to tell the order's effect from the
-profiler's), and as many again under torch.profiler (CUDA activity only): the union of the
+profiler's; each with the board's energy, power and SM clock through NVML, power_meter.py),
+and as many again under torch.profiler (CUDA activity only): the union of the
 kernels' intervals against the profiled window (the device's busy share), the idle gaps of
 more than 5 us between kernels (count and time a step), and each kernel's time a step.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging
 import statistics
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from power_meter import PowerMeter
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -64,6 +67,20 @@ def busy_and_gaps(spans: list[tuple[float, float, str]]) -> dict[str, float]:
             "gap_count": gap_count}  # fmt: skip
 
 
+def timed_steps(scenario: eb.Scenario, steps: int) -> tuple[list[float], dict | None]:
+    """Each of ``steps`` engine steps' host time (us), and the board's energy, power and SM
+    clock over them (power_meter.py; None without NVML)."""
+    meter = PowerMeter() if PowerMeter.available() else None
+    walls = []
+    with meter or contextlib.nullcontext():
+        for _ in range(steps):
+            started = time.perf_counter()
+            scenario.step()
+            walls.append((time.perf_counter() - started) * 1e6)
+        torch.cuda.synchronize()
+    return walls, meter.result(steps) if meter else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -87,22 +104,15 @@ def main() -> int:
     for _ in range(5):  # past the first decode steps
         scenario.step()
     torch.cuda.synchronize()
-    walls = []
-    for _ in range(args.steps):
-        started = time.perf_counter()
-        scenario.step()
-        walls.append((time.perf_counter() - started) * 1e6)
+    walls, power = timed_steps(scenario, args.steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
         for _ in range(args.steps):
             scenario.step()
         torch.cuda.synchronize()
         profiled_wall = (time.perf_counter() - started) * 1e6
-    after = []  # the same steps timed again after the profiled ones: is the order the cause?
-    for _ in range(args.steps):
-        started = time.perf_counter()
-        scenario.step()
-        after.append((time.perf_counter() - started) * 1e6)
+    # the same steps timed again after the profiled ones: is the order the cause?
+    after, power_after = timed_steps(scenario, args.steps)
     spans = device_timeline(prof)
     timeline = busy_and_gaps(spans)
     per_kernel: dict[str, float] = collections.defaultdict(float)
@@ -117,6 +127,7 @@ def main() -> int:
         "host_step_us_spread": [round(min(walls), 1), round(max(walls), 1)],
         "tok_s": round(args.batch / statistics.mean(walls) * 1e6, 1),
         "host_step_us_mean_after_profile": round(statistics.mean(after), 1),
+        "power": power, "power_after_profile": power_after,
         "profiled_step_us": round(profiled_wall / args.steps, 1),
         "device_busy_us_per_step": round(timeline["busy_us"] / args.steps, 1),
         "device_window_us_per_step": round(timeline["window_us"] / args.steps, 1),
@@ -133,7 +144,8 @@ def main() -> int:
               f"{result['profiled_step_us']} us a step, device busy "
               f"{result['device_busy_us_per_step']} us of a {result['device_window_us_per_step']}"
               f" us window, {result['gaps_per_step']} gaps > {GAP_US:.0f} us a step "
-              f"({result['gaps_us_per_step']} us)\n")  # fmt: skip
+              f"({result['gaps_us_per_step']} us)\n"
+              f"power (before / after the profile): {power} / {power_after}\n")  # fmt: skip
     for name, us in list(result["kernels_us_per_step"].items())[:15]:
         out.write(f"  {us:9.1f} us  {name[:90]}\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
