@@ -5,8 +5,8 @@ step's time follows its energy, and a change is judged by both.
 
     with PowerMeter() as meter:   # None where NVML is missing
         ...GPU work, synchronized before the block ends...
-    meter.result(steps)  # {"joules", "watts", "mj_per_step", "sm_mhz_mean", "sm_mhz_min",
-                         #  "power_capped_share"}
+    meter.result(steps)  # {"seconds", "joules", "watts", "watts_sampled", "mj_per_step",
+                         #  "sm_mhz_mean", "sm_mhz_min", "power_capped_share"}
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class PowerMeter:
             pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
         )
         self._clocks: list[int] = []
+        self._milliwatts: list[int] = []
         self._capped = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -48,6 +49,7 @@ class PowerMeter:
         nvml = self._nvml
         while not self._stop.is_set():
             self._clocks.append(nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM))
+            self._milliwatts.append(nvml.nvmlDeviceGetPowerUsage(self._handle))
             reasons = self._reasons(self._handle)
             self._capped += bool(reasons & SW_POWER_CAP)
             time.sleep(SAMPLE_S)
@@ -71,14 +73,20 @@ class PowerMeter:
         self._nvml.nvmlShutdown()
 
     def result(self, steps: int) -> dict[str, float]:
-        """Energy over the block (NVML counts whole millijoules), its mean power, the energy a
-        step, the SM clock's mean and minimum and the share of samples under the power cap."""
+        """Energy over the block by NVML's counter, its mean power and the energy a step; the
+        sampled power's mean; the SM clock's mean and minimum; the share of samples under the
+        power cap. The counter moves in steps: over 0.24 s (40 steps at batch 8) it gave 839 W
+        under a 700 W cap (bench/RESULTS.md e35), so trust it over a second or more, and the
+        sampled power over shorter blocks."""
         joules = (self._end_mj - self._start_mj) / 1e3
         seconds = self._end_s - self._start_s
         clocks = self._clocks or [0]
+        milliwatts = self._milliwatts or [0]
         return {
+            "seconds": round(seconds, 3),
             "joules": round(joules, 2),
             "watts": round(joules / seconds, 1),
+            "watts_sampled": round(sum(milliwatts) / len(milliwatts) / 1e3, 1),
             "mj_per_step": round(1e3 * joules / steps, 1),
             "sm_mhz_mean": round(sum(clocks) / len(clocks)),
             "sm_mhz_min": min(clocks),
