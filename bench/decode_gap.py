@@ -9,7 +9,7 @@ tokens, temperature 1, top_p 1, a seed each, every prefill and first token first
 ``--steps`` engine steps (``EngineCore.step``, async scheduling as the engine runs) timed on
 the host (one at a time: with async scheduling a step's host time is bimodal, so the mean is
 the rate; and as many again after the profile, to tell the order's effect from the
-profiler's; each with the board's energy, power and SM clock through NVML, power_meter.py),
+profiler's; each with the board's power state through NVML, benchmarks/power.py),
 and as many again under torch.profiler (CUDA activity only): the union of the
 kernels' intervals against the profiled window (the device's busy share), the idle gaps of
 more than 5 us between kernels (count and time a step), and each kernel's time a step.
@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 
 import torch
-from power_meter import PowerMeter
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from gptoss_serve.benchmarks import engine_bench as eb
+from gptoss_serve.benchmarks.power import power_meter
 from gptoss_serve.config import EngineConfig, SchedulerConfig
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.synthetic_weights import synthetic_model_config, synthetic_weights
@@ -68,9 +68,9 @@ def busy_and_gaps(spans: list[tuple[float, float, str]]) -> dict[str, float]:
 
 
 def timed_steps(scenario: eb.Scenario, steps: int) -> tuple[list[float], dict | None]:
-    """Each of ``steps`` engine steps' host time (us), and the board's energy, power and SM
-    clock over them (power_meter.py; None without NVML)."""
-    meter = PowerMeter() if PowerMeter.available() else None
+    """Each of ``steps`` engine steps' host time (us), and the board's power state over them
+    (benchmarks/power.py, with the energy a step; None without NVML)."""
+    meter = power_meter(torch.device("cuda"))
     walls = []
     with meter or contextlib.nullcontext():
         for _ in range(steps):
@@ -78,7 +78,10 @@ def timed_steps(scenario: eb.Scenario, steps: int) -> tuple[list[float], dict | 
             scenario.step()
             walls.append((time.perf_counter() - started) * 1e6)
         torch.cuda.synchronize()
-    return walls, meter.result(steps) if meter else None
+    if meter is None:
+        return walls, None
+    reading = meter.reading()
+    return walls, reading | {"mj_per_step": round(1e3 * reading["joules"] / steps, 1)}
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ Ceilings are bandwidth (decode) or tensor-core (prefill) bounds from docs/perfor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gptoss_serve.benchmarks.power import PowerMeter
 from gptoss_serve.config import ModelConfig, SamplingParams
 from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.kv_sizing import KvCacheSpec
@@ -50,6 +52,7 @@ class Figure:
     value: float
     ceiling: float | None
     unit: str
+    power: dict | None = None  # the board's state while it ran (benchmarks/power.py)
 
     @property
     def percent(self) -> float | None:
@@ -131,9 +134,10 @@ class Scenario:
 
 def decode_tok_s(
     make_core: Callable[[], EngineCore], config: ModelConfig, *, batch: int, context: int,
-    num_tokens: int,
+    num_tokens: int, meter: PowerMeter | None = None,
 ) -> float:  # fmt: skip
-    """Aggregate decode rate once every sequence has its first token (prefill excluded)."""
+    """Aggregate decode rate once every sequence has its first token (prefill excluded);
+    ``meter`` reads the board's power state over the timed steps."""
     scenario = Scenario(make_core, config.vocab_size, seed=batch * 7919 + context)
     for index in range(batch):
         scenario.add(f"decode-{index}", context, num_tokens)
@@ -143,7 +147,8 @@ def decode_tok_s(
         scenario.step()
     decode_start = time.perf_counter()
     already = sum(scenario.num_tokens.values())
-    scenario.run()
+    with meter or contextlib.nullcontext():
+        scenario.run()
     elapsed = time.perf_counter() - decode_start
     logger.info("batch %d ctx %d: prefill %.2fs", batch, context, decode_start - started)
     return (sum(scenario.num_tokens.values()) - already) / elapsed
@@ -185,4 +190,14 @@ def format_table(figures: list[Figure]) -> str:
         ceiling = f"{figure.ceiling:12.1f}" if figure.ceiling else f"{'-':>12}"
         percent = f"{figure.percent:6.1f}" if figure.percent is not None else f"{'-':>6}"
         lines.append(f"{figure.name:<28} {figure.value:12.1f} {ceiling} {percent}  {figure.unit}")
+    metered = [figure for figure in figures if figure.power]
+    if metered:
+        lines.append(f"\n{'the board while it ran':<28} {'SM MHz':>12} {'min':>6} {'W':>6} "
+                     f"{'capped':>7}")  # fmt: skip
+        for figure in metered:
+            power = figure.power
+            lines.append(
+                f"{figure.name:<28} {power['sm_mhz_mean']:12d} {power['sm_mhz_min']:6d} "
+                f"{power['watts_sampled']:6.0f} {100 * power['power_capped_share']:6.0f}%"
+            )
     return "\n".join(lines)

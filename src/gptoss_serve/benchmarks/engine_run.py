@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from gptoss_serve.benchmarks import engine_bench as eb
+from gptoss_serve.benchmarks.power import power_meter
 from gptoss_serve.config import EngineConfig, SamplingParams
 from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.kv_sizing import KvCachePlan
@@ -84,11 +85,13 @@ def _figures(
     figures = []
 
     def decode(figure: str, batch: int, context: int) -> None:
+        meter = power_meter(weights.device)
         value = eb.decode_tok_s(make_core, model, batch=batch, context=context,
-                                num_tokens=decode_tokens)  # fmt: skip
+                                num_tokens=decode_tokens, meter=meter)  # fmt: skip
         ceiling = eb.decode_ceiling_tok_s(model, batch, context + decode_tokens // 2, rates,
                                           kv_element_bytes=kv_bytes)  # fmt: skip
-        figures.append(eb.Figure(figure, value, ceiling, "tok/s"))
+        power = meter.reading() if meter else None
+        figures.append(eb.Figure(figure, value, ceiling, "tok/s", power))
         logger.warning("%s: %.1f tok/s", figure, value)
 
     # An untimed short decode first: whatever the engine still does once (first replays of
@@ -163,6 +166,7 @@ def write_results(results: dict, fit: dict | None, out: Path) -> None:
     table = eb.format_table(figures)
     results.update({figure.name: round(figure.value, 2) for figure in figures})
     results["ceilings"] = {f.name: round(f.ceiling, 1) for f in figures if f.ceiling}
+    results["power"] = {f.name: f.power for f in figures if f.power}
     if fit is not None:
         results["fits_80gb_with_128k_context"] = fit.get("fits_80gb_with_128k_context", False)
         results["fit_check"] = fit

@@ -1,0 +1,54 @@
+"""The benchmarks' power readings (benchmarks/power.py) and where they go (engine_bench's table,
+engine_run's JSON), without a GPU: the device mapping, the summary, the CPU's absent meter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptoss_serve.benchmarks import engine_bench as eb
+from gptoss_serve.benchmarks import engine_run
+from gptoss_serve.benchmarks.power import nvml_target, power_meter, summarize
+
+
+def test_the_cuda_ordinal_maps_through_cuda_visible_devices() -> None:
+    assert nvml_target(0, None) == 0 and nvml_target(2, "") == 2
+    assert nvml_target(1, "3, 1") == 1 and nvml_target(0, "3,1") == 3
+    assert nvml_target(0, "GPU-5a1b") == "GPU-5a1b"
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        nvml_target(2, "0,1")
+
+
+def test_a_reading_summarizes_its_samples() -> None:
+    reading = summarize([1980, 1500, 1830], [690_000, 700_000], capped=2, seconds=2.0,
+                        millijoules=1_380_000)  # fmt: skip
+    assert reading == {
+        "seconds": 2.0, "joules": 1380.0, "watts": 690.0, "watts_sampled": 695.0,
+        "sm_mhz_mean": 1770, "sm_mhz_min": 1500, "power_capped_share": 0.667, "samples": 3,
+    }  # fmt: skip
+    empty = summarize([], [], capped=0, seconds=0.0, millijoules=0)
+    assert empty["samples"] == 0 and empty["watts"] == 0.0 and empty["sm_mhz_min"] == 0
+
+
+def test_no_meter_off_cuda() -> None:
+    assert power_meter(torch.device("cpu")) is None
+
+
+def test_the_table_and_the_json_carry_the_readings(tmp_path: Path) -> None:
+    reading = summarize([1800, 1700], [690_000], capped=1, seconds=1.5, millijoules=1_000_000)
+    figures = [
+        eb.Figure("decode_conc64_tok_s", 3600.0, 4655.4, "tok/s", reading),
+        eb.Figure("ttft_1k_ms", 41.0, None, "ms"),
+    ]
+    table = eb.format_table(figures)
+    assert "the board while it ran" in table
+    assert table.splitlines()[-1].split() == ["decode_conc64_tok_s", "1750", "1700", "690", "50%"]
+    assert "the board" not in eb.format_table(figures[1:])
+    out = tmp_path / "engine.json"
+    engine_run.write_results({"device": "test", "figures": figures}, None, out)
+    written = json.loads(out.read_text())
+    assert written["power"] == {"decode_conc64_tok_s": reading}
+    assert written["decode_conc64_tok_s"] == 3600.0
