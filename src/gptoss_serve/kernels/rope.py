@@ -8,9 +8,9 @@ elsewhere its torch reference.
 projection, then the same rotation and cache write. Where the projection is the decode GEMV
 (``linear.GEMV_MAX_TOKENS`` tokens or fewer, bf16 on CUDA, with a cos/sin table from
 ``rope_cos_sin_table``) both run in one Triton kernel (``_qkv_rope.py``: one launch a layer
-less), and likewise where it is the tensor-core kernel (up to ``linear.MMA_MAX_TOKENS``:
-``_qkv_rope_mma.py``); otherwise it is ``linear`` then ``rope_and_cache_write``, which is also
-the reference.
+less), and from there up to ``QKV_MMA_MAX_TOKENS`` (64) likewise on the tensor cores
+(``_qkv_rope_mma.py``, where ``linear`` takes cuBLAS from 17 tokens); otherwise it is
+``linear`` then ``rope_and_cache_write``, which is also the reference.
 """
 
 from __future__ import annotations
