@@ -244,7 +244,6 @@ def _check_fused(
     """The fused q/k/v GEMV + RoPE + cache write, and its tensor-core version, against the
     reference composite, into a poisoned q view and cache."""
     qkv_rope_triton = pytest.importorskip("gptoss_serve.kernels._qkv_rope").qkv_rope_triton
-    from gptoss_serve.kernels._qkv_rope_mma import qkv_rope_mma_triton  # noqa: PLC0415
     from gptoss_serve.kernels.linear import GemvTiles, MmaTiles  # noqa: PLC0415
 
     tokens, heads, kv_heads, head_dim, _ = shape
@@ -265,12 +264,10 @@ def _check_fused(
         MmaTiles(), MmaTiles(rows=128, num_stages=3)]  # fmt: skip
     if head_dim & (head_dim - 1):
         mma_tiles = []
-    launches = [(qkv_rope_triton, GemvTiles(rows, 4)) for rows in (4, 2)]
-    launches += [(qkv_rope_mma_triton, tiles) for tiles in mma_tiles]
-    for launch, tiles in launches:
+    for tiles in [GemvTiles(4, 4), GemvTiles(2, 4), *mma_tiles]:
         cache.copy_(poisoned_cache)
         out_buffer.fill_(float("nan"))
-        actual = launch(
+        actual = qkv_rope_triton(
             x, weight, bias, positions, table, cache[:, 0], cache[:, 1], slots,
             num_heads=heads, num_kv_heads=kv_heads, tiles=tiles, out=out,
         )  # fmt: skip

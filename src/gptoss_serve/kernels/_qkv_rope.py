@@ -26,7 +26,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from gptoss_serve.kernels._attention_common import to_cache
 from gptoss_serve.kernels._moe_common import _to_bf16
 from gptoss_serve.kernels.fast_launch import launcher
-from gptoss_serve.kernels.linear import GemvTiles
+from gptoss_serve.kernels.linear import GemvTiles, MmaTiles
+from gptoss_serve.kernels.rope import whole_heads
 
 
 @triton.jit
@@ -141,79 +142,58 @@ def qkv_rope_triton(
     *,
     num_heads: int,
     num_kv_heads: int,
-    tiles: GemvTiles,
+    tiles: GemvTiles | MmaTiles,
     out: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Launches the kernel; contract of ``rope.qkv_rope_and_cache_write`` with its cos/sin
-    table ``cos_sin`` [P, D] float32 (``rope.rope_cos_sin_table``; positions are clamped to
-    it). ``out`` [T, A, D] (head_dim contiguous) receives q instead of a fresh tensor."""
-    x, q_out = fused_operands(x, k_cache, v_cache, cos_sin, tiles.rows, num_heads, out)
-    if x.shape[0] == 0:
-        return q_out
-    launch_fused(
-        _qkv_rope_kernel, tiles.rows // 2, x, weight, bias, positions, cos_sin, k_cache, v_cache,
-        slot_mapping, q_out, num_heads, num_kv_heads, pdl=pdl, num_warps=tiles.num_warps,
-        K_PAD=triton.next_power_of_2(x.shape[1]), T_PAD=triton.next_power_of_2(x.shape[0]),
-    )  # fmt: skip
-    return q_out
-
-
-def fused_operands(
-    x: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cos_sin: torch.Tensor,
-    rows: int,
-    num_heads: int,
-    out: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks the fused kernels' operands; (x with unit stride along K, the q output)."""
+    """Launches a fused kernel: with GemvTiles this module's GEMV, with MmaTiles the
+    tensor-core one of ``_qkv_rope_mma.py`` (``tiles.rows`` weight rows, whole heads, a
+    program; at most 256 tokens). Contract of ``rope.qkv_rope_and_cache_write`` with its
+    cos/sin table ``cos_sin`` [P, D] float32 (``rope.rope_cos_sin_table``; positions are
+    clamped to it). ``out`` [T, A, D] (head_dim contiguous) receives q instead of a fresh
+    tensor."""
+    num_tokens, k = x.shape
     head_dim = k_cache.shape[-1]
+    on_mma = isinstance(tiles, MmaTiles)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
-    if rows % 2:
-        raise ValueError(f"the fused kernels deal rows in pairs, got {rows} rows")
+    if tiles.rows % 2:
+        raise ValueError(f"the fused kernels deal rows in pairs, got {tiles.rows} rows")
+    if on_mma and not whole_heads(tiles, head_dim):
+        raise ValueError(f"the tensor-core kernel takes whole heads of a power-of-two size "
+                         f"({head_dim} rows), got {tiles.rows} rows")  # fmt: skip
+    if on_mma and num_tokens > 256:
+        raise ValueError(f"the MMA's token columns are at most 256, got {num_tokens} tokens")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != torch.float32:
         raise ValueError(f"cos_sin must be [positions, {head_dim}] float32, got {cos_sin.shape}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    q_out = out if out is not None else x.new_empty(x.shape[0], num_heads, head_dim)
+    q_out = out if out is not None else x.new_empty(num_tokens, num_heads, head_dim)
     if q_out.stride(-1) != 1:
         raise ValueError("the output must be contiguous along head_dim")
-    return x, q_out
+    if num_tokens == 0:
+        return q_out
+    if on_mma:
+        # Imported here: that module builds on this one's epilogue.
+        from gptoss_serve.kernels._qkv_rope_mma import _qkv_rope_mma_kernel  # noqa: PLC0415
 
-
-def launch_fused(
-    kernel,
-    pairs_per_program: int,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    q_out: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    *,
-    pdl: bool,
-    num_warps: int,
-    **constexprs: int,
-) -> None:
-    """One launch of a fused kernel (this module's or _qkv_rope_mma's: the same arguments
-    but for the kernel's own ``constexprs``), BP = ``pairs_per_program`` pairs a program."""
-    half = k_cache.shape[-1] // 2
+        kernel = _qkv_rope_mma_kernel
+        own = dict(BK=tiles.block_k, NUM_STAGES=tiles.num_stages,
+                   T_PAD=max(16, triton.next_power_of_2(num_tokens)))  # fmt: skip
+    else:
+        kernel = _qkv_rope_kernel
+        own = dict(K_PAD=triton.next_power_of_2(k), T_PAD=triton.next_power_of_2(num_tokens))
+    half = head_dim // 2
+    pairs_per_program = tiles.rows // 2
     num_pairs = (num_heads + 2 * num_kv_heads) * half
     launcher(kernel)[(triton.cdiv(num_pairs, pairs_per_program),)](
         x, weight.contiguous(), bias, positions, cos_sin.contiguous(), slot_mapping,
-        q_out, k_cache, v_cache, x.shape[0], cos_sin.shape[0], x.stride(0),
+        q_out, k_cache, v_cache, num_tokens, cos_sin.shape[0], x.stride(0),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
-        A=num_heads, KV=num_kv_heads, HALF=half, K=x.shape[1], BP=pairs_per_program, PDL=pdl,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-        launch_pdl=pdl, **constexprs,
+        A=num_heads, KV=num_kv_heads, HALF=half, K=k, BP=pairs_per_program, PDL=pdl,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=tiles.num_warps,
+        launch_pdl=pdl, **own,
     )  # fmt: skip
+    return q_out

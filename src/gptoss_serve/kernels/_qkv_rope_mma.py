@@ -9,27 +9,20 @@ whole heads: 2·BP contiguous rows, BP NeoX pairs. A head of 64 rows is one wgmm
 (two 32-row products, one per half of the pairs, compiled to mma.sync and lost 0.6% of the
 whole step at batch 8: bench/RESULTS.md v24). The sums plus the bias are rounded to bf16 (the
 value the unfused projection stores), the halves of each head paired in registers (reshape,
-permute, split) and sent through ``_qkv_rope._rotate_and_store``.
+permute, split) and sent through ``_qkv_rope._rotate_and_store``. ``_qkv_rope.qkv_rope_triton``
+launches it, given MmaTiles.
 """
 
 # Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
 # ruff: noqa: N803, N806, PLR0917
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels._moe_common import _dot, _to_bf16
-from gptoss_serve.kernels._qkv_rope import (
-    _rotate_and_store,
-    _token_angles,
-    fused_operands,
-    launch_fused,
-)
-from gptoss_serve.kernels.linear import MmaTiles
-from gptoss_serve.kernels.rope import whole_heads
+from gptoss_serve.kernels._qkv_rope import _rotate_and_store, _token_angles
 
 
 @triton.jit
@@ -79,40 +72,3 @@ def _qkv_rope_mma_kernel(
         stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
         block_size, A, KV, HALF,
     )  # fmt: skip
-
-
-def qkv_rope_mma_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    tiles: MmaTiles,
-    out: torch.Tensor | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """As ``_qkv_rope.qkv_rope_triton``, on the tensor cores: ``tiles.rows`` weight rows (whole
-    heads) a program, at most 256 tokens."""
-    head_dim = k_cache.shape[-1]
-    if not whole_heads(tiles, head_dim):
-        raise ValueError(f"the tensor-core kernel takes whole heads of a power-of-two size "
-                         f"({head_dim} rows), got {tiles.rows} rows")  # fmt: skip
-    x, q_out = fused_operands(x, k_cache, v_cache, cos_sin, tiles.rows, num_heads, out)
-    num_tokens = x.shape[0]
-    if num_tokens == 0:
-        return q_out
-    if num_tokens > 256:
-        raise ValueError(f"the MMA's token columns are at most 256, got {num_tokens} tokens")
-    launch_fused(
-        _qkv_rope_mma_kernel, tiles.rows // 2, x, weight, bias, positions, cos_sin, k_cache,
-        v_cache, slot_mapping, q_out, num_heads, num_kv_heads, pdl=pdl,
-        num_warps=tiles.num_warps, BK=tiles.block_k, NUM_STAGES=tiles.num_stages,
-        T_PAD=max(16, triton.next_power_of_2(num_tokens)),
-    )  # fmt: skip
-    return q_out

@@ -175,9 +175,9 @@ def qkv_rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tens
         and whole_heads(tiles, head_dim)
         and linear.mma_applies(x, qkv_weight, x.dtype, QKV_MMA_MAX_TOKENS)
     ):
-        from gptoss_serve.kernels._qkv_rope_mma import qkv_rope_mma_triton  # noqa: PLC0415
+        from gptoss_serve.kernels._qkv_rope import qkv_rope_triton  # noqa: PLC0415
 
-        return qkv_rope_mma_triton(
+        return qkv_rope_triton(
             x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping,
             num_heads=num_heads, num_kv_heads=num_kv_heads, tiles=tiles, pdl=pdl_applies(pdl, x),
         )  # fmt: skip
