@@ -131,7 +131,11 @@ def free_port() -> int:
 def running_server(app) -> Iterator[str]:
     """Serve ``app`` with uvicorn on a loopback port in a thread; yield its base URL."""
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    # Idle connections kept for the server's life: with uvicorn's default 5 s a client that
+    # does not retry (max_retries=0) could reuse a pooled connection as the server closed it
+    # ("Server disconnected without sending a response", seen once in CI on 2 cores).
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            timeout_keep_alive=600)  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
