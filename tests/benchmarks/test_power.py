@@ -1,9 +1,13 @@
 """The benchmarks' power readings (benchmarks/power.py) and where they go (engine_bench's table,
-engine_run's JSON), without a GPU: the device mapping, the summary, the CPU's absent meter."""
+engine_run's JSON), without a GPU: the device mapping, the summary, the CPU's absent meter, and
+a meter over a stand-in NVML that sums the stretches it was entered for."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import torch
 
 from gptoss_serve.benchmarks import engine_bench as eb
 from gptoss_serve.benchmarks import engine_run
-from gptoss_serve.benchmarks.power import nvml_target, power_meter, summarize
+from gptoss_serve.benchmarks.power import PowerMeter, nvml_target, power_meter, summarize
 
 
 def test_the_cuda_ordinal_maps_through_cuda_visible_devices() -> None:
@@ -52,3 +56,64 @@ def test_the_table_and_the_json_carry_the_readings(tmp_path: Path) -> None:
     written = json.loads(out.read_text())
     assert written["power"] == {"decode_conc64_tok_s": reading}
     assert written["decode_conc64_tok_s"] == 3600.0
+
+
+class _FakeNvml(types.ModuleType):
+    """The few pynvml calls PowerMeter makes: a board at 1,700 MHz drawing 650 W under the
+    power cap, whose energy counter gains 650 mJ per call of it, with init/shutdown counted."""
+
+    NVML_CLOCK_SM = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__("pynvml")
+        self.inits = 0
+        self.millijoules = 0
+
+    def nvmlInit(self) -> None:  # noqa: N802 (pynvml's names)
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self.inits -= 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:  # noqa: N802
+        if index != 0:
+            raise self.NVMLError("no such board")
+        return "board"
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:  # noqa: N802
+        self.millijoules += 650
+        return self.millijoules
+
+    def nvmlDeviceGetClockInfo(self, handle: str, clock: int) -> int:  # noqa: N802
+        return 1700
+
+    def nvmlDeviceGetPowerUsage(self, handle: str) -> int:  # noqa: N802
+        return 650_000
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: str) -> int:  # noqa: N802
+        return 0x4
+
+
+def test_a_meter_entered_twice_sums_both_stretches(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml = _FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    meter = PowerMeter(0)
+    assert nvml.inits == 0  # its checks at construction leave NVML as they found it
+    for _ in range(2):
+        with meter:
+            assert nvml.inits == 1
+            with pytest.raises(RuntimeError, match="already measuring"):
+                meter.__enter__()
+            time.sleep(0.05)
+    assert nvml.inits == 0
+    reading = meter.reading()
+    assert reading["joules"] == 1.3  # 650 mJ between entry and exit, twice
+    assert 0.1 <= reading["seconds"] < 1.0
+    assert reading["samples"] >= 2 and reading["sm_mhz_mean"] == 1700
+    assert reading["watts_sampled"] == 650.0 and reading["power_capped_share"] == 1.0
+    with pytest.raises(nvml.NVMLError):
+        PowerMeter(1)
+    assert nvml.inits == 0

@@ -154,29 +154,40 @@ def decode_tok_s(
     return (sum(scenario.num_tokens.values()) - already) / elapsed
 
 
-def prefill_tok_s(make_core: Callable[[], EngineCore], config: ModelConfig, length: int) -> float:
-    """Prompt tokens per second of one request's prefill, to its first token (median of 3)."""
+def prefill_tok_s(
+    make_core: Callable[[], EngineCore], config: ModelConfig, length: int,
+    meter: PowerMeter | None = None,
+) -> float:  # fmt: skip
+    """Prompt tokens per second of one request's prefill, to its first token (median of 3);
+    ``meter`` reads the board's power state over the three runs (not their set-up)."""
     rates = []
     for trial in range(3):
         scenario = Scenario(make_core, config.vocab_size, seed=length + trial)
         scenario.add("prefill", length, 1)
-        rates.append(length / scenario.run())
+        with meter or contextlib.nullcontext():
+            rates.append(length / scenario.run())
     return sorted(rates)[1]
 
 
-def ttft_ms(make_core: Callable[[], EngineCore], config: ModelConfig, length: int) -> float:
-    return 1e3 * length / prefill_tok_s(make_core, config, length)
+def ttft_ms(
+    make_core: Callable[[], EngineCore], config: ModelConfig, length: int,
+    meter: PowerMeter | None = None,
+) -> float:  # fmt: skip
+    return 1e3 * length / prefill_tok_s(make_core, config, length, meter)
 
 
 def max_throughput_tok_s(
-    make_core: Callable[[], EngineCore], config: ModelConfig, *, num_seqs: int, length: int
-) -> float:
+    make_core: Callable[[], EngineCore], config: ModelConfig, *, num_seqs: int, length: int,
+    meter: PowerMeter | None = None,
+) -> float:  # fmt: skip
     """``num_seqs`` requests of ``length`` prompt and ``length`` output tokens all submitted
-    at once: output tokens over the whole run's wall time (prefills included)."""
+    at once: output tokens over the whole run's wall time (prefills included), ``meter``
+    reading the board over it."""
     scenario = Scenario(make_core, config.vocab_size, seed=4242)
     for index in range(num_seqs):
         scenario.add(f"throughput-{index}", length, length)
-    elapsed = scenario.run()
+    with meter or contextlib.nullcontext():
+        elapsed = scenario.run()
     return sum(scenario.num_tokens.values()) / elapsed
 
 

@@ -104,16 +104,22 @@ def _figures(
         decode(f"decode_conc{batch}_tok_s", batch, 1024)
     prefill_ceiling = eb.prefill_ceiling_tok_s(model, rates)
     for length in (2048, 8192):
-        value = eb.prefill_tok_s(make_core, model, length)
-        figures.append(eb.Figure(f"prefill_{length}_tok_s", value, prefill_ceiling, "tok/s"))
-    ttft = eb.ttft_ms(make_core, model, 1024)
-    figures.append(eb.Figure("ttft_1k_ms", ttft, None, "ms"))
+        meter = power_meter(weights.device)
+        value = eb.prefill_tok_s(make_core, model, length, meter)
+        figures.append(eb.Figure(f"prefill_{length}_tok_s", value, prefill_ceiling, "tok/s",
+                                 meter.reading() if meter else None))  # fmt: skip
+    meter = power_meter(weights.device)
+    ttft = eb.ttft_ms(make_core, model, 1024, meter)
+    figures.append(eb.Figure("ttft_1k_ms", ttft, None, "ms", meter.reading() if meter else None))
     # As many sequences as fit (each holds 2k tokens at its end), up to ``throughput_seqs``.
     seqs = min(throughput_seqs, config.scheduler.max_num_seqs,
                plan.max_num_tokens // (2 * THROUGHPUT_LENGTH))  # fmt: skip
-    value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=THROUGHPUT_LENGTH)
+    meter = power_meter(weights.device)
+    value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=THROUGHPUT_LENGTH,
+                                    meter=meter)  # fmt: skip
     ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536, rates, kv_element_bytes=kv_bytes)
-    figures.append(eb.Figure("max_throughput_tok_s", value, ceiling, f"tok/s ({seqs} seqs)"))
+    figures.append(eb.Figure("max_throughput_tok_s", value, ceiling, f"tok/s ({seqs} seqs)",
+                             meter.reading() if meter else None))  # fmt: skip
     figures.append(eb.Figure("peak_gpu_memory_gb", eb.peak_memory_gb(weights.device), None, "GB"))
     return figures
 

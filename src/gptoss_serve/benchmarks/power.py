@@ -11,6 +11,9 @@ samples under the power cap, and the energy by NVML's counter.
     with meter or contextlib.nullcontext():
         ...GPU work, synchronized before the block ends...
     reading = meter.reading() if meter else None
+
+A meter may be entered several times (a figure timed over several trials, each with set-up
+between them that is not the figure's): its reading sums the stretches inside.
 """
 
 from __future__ import annotations
@@ -67,37 +70,54 @@ def summarize(
 
 class PowerMeter:
     """NVML's total-energy counter at entry and exit, and the SM clock, power and clock event
-    reasons sampled on a thread in between."""
+    reasons sampled on a thread in between; entered again, it adds the new stretch to the
+    ones before."""
 
     def __init__(self, target: int | str) -> None:
         import pynvml  # noqa: PLC0415 (present where there is a GPU to read)
 
         self._nvml = pynvml
-        pynvml.nvmlInit()
-        if isinstance(target, int):
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(target)
-        else:
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(target)
+        self._target = target
         # nvidia-ml-py renamed the throttle reasons to clock event reasons (12.535)
         self._reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or (
             pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
         )
         # every query once, so that a board without one fails here (power_meter logs it) and
         # not in the middle of a benchmark
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
-        pynvml.nvmlDeviceGetClockInfo(self._handle, pynvml.NVML_CLOCK_SM)
-        pynvml.nvmlDeviceGetPowerUsage(self._handle)
-        self._reasons(self._handle)
+        handle = self._open()
+        try:
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+            pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
+            pynvml.nvmlDeviceGetPowerUsage(handle)
+            self._reasons(handle)
+        finally:
+            pynvml.nvmlShutdown()
+        self._handle = None
         self._clocks: list[int] = []
         self._milliwatts: list[int] = []
         self._capped = 0
+        self._seconds = 0.0
+        self._millijoules = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="power-meter", daemon=True)
-        self._start_mj = self._end_mj = 0
-        self._start_s = self._end_s = 0.0
+        self._thread: threading.Thread | None = None
+        self._start_mj = 0
+        self._start_s = 0.0
 
-    def _sample(self) -> None:
-        nvml, handle = self._nvml, self._handle
+    def _open(self) -> object:
+        """NVML started (a reference count: nvmlShutdown undoes one nvmlInit) and the board's
+        handle; NVML shut down again if there is no such board."""
+        nvml = self._nvml
+        nvml.nvmlInit()
+        try:
+            if isinstance(self._target, int):
+                return nvml.nvmlDeviceGetHandleByIndex(self._target)
+            return nvml.nvmlDeviceGetHandleByUUID(self._target)
+        except nvml.NVMLError:
+            nvml.nvmlShutdown()
+            raise
+
+    def _sample(self, handle: object) -> None:
+        nvml = self._nvml
         while not self._stop.is_set():
             self._clocks.append(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
             self._milliwatts.append(nvml.nvmlDeviceGetPowerUsage(handle))
@@ -105,8 +125,14 @@ class PowerMeter:
             time.sleep(SAMPLE_S)
 
     def __enter__(self) -> PowerMeter:
+        if self._thread is not None:
+            raise RuntimeError("this power meter is already measuring")
+        self._handle = self._open()
         self._start_mj = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
         self._start_s = time.perf_counter()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, args=(self._handle,),
+                                        name="power-meter", daemon=True)  # fmt: skip
         self._thread.start()
         return self
 
@@ -116,15 +142,21 @@ class PowerMeter:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._end_mj = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
-        self._end_s = time.perf_counter()
+        self._millijoules += (
+            self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._start_mj
+        )
+        self._seconds += time.perf_counter() - self._start_s
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = None
+        self._handle = None
         self._nvml.nvmlShutdown()
 
     def reading(self) -> dict[str, float]:
-        return summarize(self._clocks, self._milliwatts, self._capped,
-                         self._end_s - self._start_s, self._end_mj - self._start_mj)  # fmt: skip
+        """The summary (``summarize``) of every stretch measured so far."""
+        return summarize(self._clocks, self._milliwatts, self._capped, self._seconds,
+                         self._millijoules)  # fmt: skip
 
 
 def power_meter(device: torch.device) -> PowerMeter | None:
