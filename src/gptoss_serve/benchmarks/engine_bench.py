@@ -53,6 +53,7 @@ class Figure:
     ceiling: float | None
     unit: str
     power: dict | None = None  # the board's state while it ran (benchmarks/power.py)
+    trials: tuple[float, ...] = ()  # each run's value, in run order, where value is their median
 
     @property
     def percent(self) -> float | None:
@@ -154,26 +155,23 @@ def decode_tok_s(
     return (sum(scenario.num_tokens.values()) - already) / elapsed
 
 
-def prefill_tok_s(
+PREFILL_TRIALS = 5  # a prefill of 2048 tokens takes ~55 ms on an H200: one is too few
+
+
+def prefill_rates(
     make_core: Callable[[], EngineCore], config: ModelConfig, length: int,
-    meter: PowerMeter | None = None,
-) -> float:  # fmt: skip
-    """Prompt tokens per second of one request's prefill, to its first token (median of 3);
-    ``meter`` reads the board's power state over the three runs (not their set-up)."""
+    meter: PowerMeter | None = None, trials: int = PREFILL_TRIALS,
+) -> list[float]:  # fmt: skip
+    """Prompt tokens per second of one request's prefill, to its first token, in each of
+    ``trials`` runs on a fresh core (in run order); ``meter`` reads the board's power state
+    over the runs (not their set-up)."""
     rates = []
-    for trial in range(3):
+    for trial in range(trials):
         scenario = Scenario(make_core, config.vocab_size, seed=length + trial)
         scenario.add("prefill", length, 1)
         with meter or contextlib.nullcontext():
             rates.append(length / scenario.run())
-    return sorted(rates)[1]
-
-
-def ttft_ms(
-    make_core: Callable[[], EngineCore], config: ModelConfig, length: int,
-    meter: PowerMeter | None = None,
-) -> float:  # fmt: skip
-    return 1e3 * length / prefill_tok_s(make_core, config, length, meter)
+    return rates
 
 
 def max_throughput_tok_s(
@@ -200,7 +198,12 @@ def format_table(figures: list[Figure]) -> str:
     for figure in figures:
         ceiling = f"{figure.ceiling:12.1f}" if figure.ceiling else f"{'-':>12}"
         percent = f"{figure.percent:6.1f}" if figure.percent is not None else f"{'-':>6}"
-        lines.append(f"{figure.name:<28} {figure.value:12.1f} {ceiling} {percent}  {figure.unit}")
+        spread = ""
+        if figure.trials:
+            spread = (f" (median of {len(figure.trials)}: {min(figure.trials):.1f} to "
+                      f"{max(figure.trials):.1f})")  # fmt: skip
+        lines.append(f"{figure.name:<28} {figure.value:12.1f} {ceiling} {percent}  "
+                     f"{figure.unit}{spread}")  # fmt: skip
     metered = [figure for figure in figures if figure.power]
     if metered:
         lines.append(f"\n{'the board while it ran':<28} {'SM MHz':>12} {'min':>6} {'W':>6} "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import statistics
 import subprocess
 import sys
 import time
@@ -105,12 +106,15 @@ def _figures(
     prefill_ceiling = eb.prefill_ceiling_tok_s(model, rates)
     for length in (2048, 8192):
         meter = power_meter(weights.device)
-        value = eb.prefill_tok_s(make_core, model, length, meter)
-        figures.append(eb.Figure(f"prefill_{length}_tok_s", value, prefill_ceiling, "tok/s",
-                                 meter.reading() if meter else None))  # fmt: skip
+        rates = eb.prefill_rates(make_core, model, length, meter)
+        figures.append(eb.Figure(f"prefill_{length}_tok_s", statistics.median(rates),
+                                 prefill_ceiling, "tok/s", meter.reading() if meter else None,
+                                 tuple(round(rate, 1) for rate in rates)))  # fmt: skip
     meter = power_meter(weights.device)
-    ttft = eb.ttft_ms(make_core, model, 1024, meter)
-    figures.append(eb.Figure("ttft_1k_ms", ttft, None, "ms", meter.reading() if meter else None))
+    ttfts = [1e3 * 1024 / rate for rate in eb.prefill_rates(make_core, model, 1024, meter)]
+    figures.append(eb.Figure("ttft_1k_ms", statistics.median(ttfts), None, "ms",
+                             meter.reading() if meter else None,
+                             tuple(round(ttft, 2) for ttft in ttfts)))  # fmt: skip
     # As many sequences as fit (each holds 2k tokens at its end), up to ``throughput_seqs``.
     seqs = min(throughput_seqs, config.scheduler.max_num_seqs,
                plan.max_num_tokens // (2 * THROUGHPUT_LENGTH))  # fmt: skip
@@ -173,6 +177,7 @@ def write_results(results: dict, fit: dict | None, out: Path) -> None:
     results.update({figure.name: round(figure.value, 2) for figure in figures})
     results["ceilings"] = {f.name: round(f.ceiling, 1) for f in figures if f.ceiling}
     results["power"] = {f.name: f.power for f in figures if f.power}
+    results["trials"] = {f.name: list(f.trials) for f in figures if f.trials}
     if fit is not None:
         results["fits_80gb_with_128k_context"] = fit.get("fits_80gb_with_128k_context", False)
         results["fit_check"] = fit
