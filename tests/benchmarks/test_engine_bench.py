@@ -16,7 +16,7 @@ from gptoss_serve.benchmarks import engine_run
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
 from gptoss_serve.engine.startup import build_engine
-from gptoss_serve.engine.weights import load_weights
+from gptoss_serve.engine.weights import ModelWeights, load_weights
 
 
 def test_ceilings_follow_the_card() -> None:
@@ -46,17 +46,25 @@ def test_ceilings_follow_the_card() -> None:
     assert eb.prefill_ceiling_tok_s(config, h100) > eb.prefill_ceiling_tok_s(config, h200)
 
 
+def _tiny8_engine(
+    checkpoint_dirs: dict[str, Path], *, max_num_seqs: int, kv_cache_tokens: int
+) -> tuple[ModelWeights, EngineConfig]:
+    """The tiny8 checkpoint's fp32 weights on the CPU and an engine config over them."""
+    weights = load_weights(checkpoint_dirs["tiny8"], device="cpu", dtype=torch.float32,
+                           progress=False)  # fmt: skip
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                                max_model_len=256)  # fmt: skip
+    config = EngineConfig(scheduler=scheduler, kv_cache_tokens=kv_cache_tokens,
+                          reference_ops=True, use_cuda_graphs=False)  # fmt: skip
+    return weights, config
+
+
 def test_the_scenarios_run_with_the_start_up_heap_frozen(
     checkpoint_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As the server runs them (server/app.py): a full collection during a figure walks only
     # what its requests made, and the heap is thawed once the figures are in.
-    weights = load_weights(checkpoint_dirs["tiny8"], device="cpu", dtype=torch.float32,
-                           progress=False)  # fmt: skip
-    config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=256),
-        kv_cache_tokens=2048, reference_ops=True, use_cuda_graphs=False,
-    )  # fmt: skip
+    weights, config = _tiny8_engine(checkpoint_dirs, max_num_seqs=64, kv_cache_tokens=2048)
     frozen_before = gc.get_freeze_count()
     seen = []
 
@@ -82,12 +90,7 @@ def test_a_prefill_figure_keeps_each_trial(
 ) -> None:
     # A 2048-token prefill takes ~55 ms on an H200, and the bench's figure moved by 15%
     # between two runs of one day: the median of several, each of them in the JSON.
-    weights = load_weights(checkpoint_dirs["tiny8"], device="cpu", dtype=torch.float32,
-                           progress=False)  # fmt: skip
-    config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
-        kv_cache_tokens=512, reference_ops=True, use_cuda_graphs=False,
-    )  # fmt: skip
+    weights, config = _tiny8_engine(checkpoint_dirs, max_num_seqs=4, kv_cache_tokens=512)
     make_core, _, _ = build_engine(weights, config)
     rates = eb.prefill_rates(make_core, weights.config, 24, trials=3)
     assert len(rates) == 3 and all(rate > 0 for rate in rates)
