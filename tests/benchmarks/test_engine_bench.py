@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,3 +107,47 @@ def test_a_prefill_figure_keeps_each_trial(
     assert json.loads(out.read_text())["trials"] == {
         "prefill_2048_tok_s": [31000.0, 36000.0, 36400.0]
     }
+
+
+def test_the_figures_in_the_tables_order_with_their_ceilings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # _figures on stand-in scenarios (the real ones need a GPU's speed): every figure, in the
+    # table's order, each with its ceiling from the card's rates and its runs where it has them.
+    model = ModelConfig.from_dict(preset_config("120b"))
+    calls = []
+
+    def decode(make_core, config, *, batch, context, num_tokens, meter=None) -> float:
+        calls.append(("decode", batch, context))
+        return 100.0 * batch
+
+    monkeypatch.setattr(eb, "decode_tok_s", decode)
+    monkeypatch.setattr(eb, "prefill_rates", lambda make_core, config, length, meter=None: [
+        1000.0 + length, 3000.0 + length, 2000.0 + length, 5000.0, 4000.0])  # fmt: skip
+    monkeypatch.setattr(eb, "max_throughput_tok_s", lambda *a, **k: 5000.0)
+    monkeypatch.setattr(engine_run, "power_meter", lambda device: None)
+    weights = SimpleNamespace(config=model, device=torch.device("cpu"), dtype=torch.bfloat16)
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1024))
+    figures = engine_run._figures(
+        lambda: None, weights, config, SimpleNamespace(max_num_tokens=1_583_536),
+        device="NVIDIA H200", decode_tokens=256, throughput_seqs=1024,
+    )  # fmt: skip
+    names = [figure.name for figure in figures]
+    assert names == [
+        "decode_bs1_ctx1k_tok_s", "decode_bs1_ctx8k_tok_s", "decode_conc8_tok_s",
+        "decode_conc32_tok_s", "decode_conc64_tok_s", "prefill_2048_tok_s",
+        "prefill_8192_tok_s", "ttft_1k_ms", "max_throughput_tok_s", "peak_gpu_memory_gb",
+    ]  # fmt: skip
+    assert calls[0] == ("decode", 1, 1024)  # the untimed warm-up decode first
+    by_name = {figure.name: figure for figure in figures}
+    prefill = by_name["prefill_2048_tok_s"]
+    assert prefill.value == 4048.0 and prefill.trials == (3048.0, 5048.0, 4048.0, 5000.0, 4000.0)
+    assert prefill.ceiling == pytest.approx(eb.prefill_ceiling_tok_s(model))
+    ttft = by_name["ttft_1k_ms"]
+    assert ttft.value == pytest.approx(1e3 * 1024 / 4000.0) and len(ttft.trials) == 5
+    conc64 = by_name["decode_conc64_tok_s"]
+    assert conc64.value == 6400.0
+    assert conc64.ceiling == pytest.approx(eb.decode_ceiling_tok_s(model, 64, 1024 + 128))
+    throughput = by_name["max_throughput_tok_s"]
+    assert throughput.unit == "tok/s (773 seqs)"  # 1,583,536 KV tokens / 2k a sequence
+    assert throughput.ceiling == pytest.approx(eb.decode_ceiling_tok_s(model, 773, 1536))

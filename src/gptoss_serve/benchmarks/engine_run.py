@@ -106,10 +106,10 @@ def _figures(
     prefill_ceiling = eb.prefill_ceiling_tok_s(model, rates)
     for length in (2048, 8192):
         meter = power_meter(weights.device)
-        rates = eb.prefill_rates(make_core, model, length, meter)
-        figures.append(eb.Figure(f"prefill_{length}_tok_s", statistics.median(rates),
+        runs = eb.prefill_rates(make_core, model, length, meter)
+        figures.append(eb.Figure(f"prefill_{length}_tok_s", statistics.median(runs),
                                  prefill_ceiling, "tok/s", meter.reading() if meter else None,
-                                 tuple(round(rate, 1) for rate in rates)))  # fmt: skip
+                                 tuple(round(run, 1) for run in runs)))  # fmt: skip
     meter = power_meter(weights.device)
     ttfts = [1e3 * 1024 / rate for rate in eb.prefill_rates(make_core, model, 1024, meter)]
     figures.append(eb.Figure("ttft_1k_ms", statistics.median(ttfts), None, "ms",
