@@ -49,7 +49,9 @@ def test_the_table_and_the_json_carry_the_readings(tmp_path: Path) -> None:
     ]
     table = eb.format_table(figures)
     assert "the board while it ran" in table
-    assert table.splitlines()[-1].split() == ["decode_conc64_tok_s", "1750", "1700", "690", "50%"]
+    assert table.splitlines()[-1].split() == [
+        "decode_conc64_tok_s", "1750", "1700", "690", "50%", "-"
+    ]  # fmt: skip
     assert "the board" not in eb.format_table(figures[1:])
     out = tmp_path / "engine.json"
     engine_run.write_results({"device": "test", "figures": figures}, None, out)
@@ -63,6 +65,7 @@ class _FakeNvml(types.ModuleType):
     power cap, whose energy counter gains 650 mJ per call of it, with init/shutdown counted."""
 
     NVML_CLOCK_SM = 1
+    NVML_TEMPERATURE_GPU = 0
 
     class NVMLError(Exception):
         pass
@@ -96,6 +99,9 @@ class _FakeNvml(types.ModuleType):
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: str) -> int:  # noqa: N802
         return 0x4
 
+    def nvmlDeviceGetTemperature(self, handle: str, sensor: int) -> int:  # noqa: N802
+        return 61
+
 
 def test_a_meter_entered_twice_sums_both_stretches(monkeypatch: pytest.MonkeyPatch) -> None:
     nvml = _FakeNvml()
@@ -114,6 +120,9 @@ def test_a_meter_entered_twice_sums_both_stretches(monkeypatch: pytest.MonkeyPat
     assert 0.1 <= reading["seconds"] < 1.0
     assert reading["samples"] >= 2 and reading["sm_mhz_mean"] == 1700
     assert reading["watts_sampled"] == 650.0 and reading["power_capped_share"] == 1.0
+    assert reading["temp_c_mean"] == 61.0 and reading["temp_c_max"] == 61
+    figure = eb.Figure("decode_conc64_tok_s", 3600.0, 4655.4, "tok/s", reading)
+    assert eb.format_table([figure]).splitlines()[-1].split()[-1] == "61"
     with pytest.raises(nvml.NVMLError):
         PowerMeter(1)
     assert nvml.inits == 0

@@ -207,11 +207,13 @@ def format_table(figures: list[Figure]) -> str:
     metered = [figure for figure in figures if figure.power]
     if metered:
         lines.append(f"\n{'the board while it ran':<28} {'SM MHz':>12} {'min':>6} {'W':>6} "
-                     f"{'capped':>7}")  # fmt: skip
+                     f"{'capped':>7} {'°C':>5}")  # fmt: skip
         for figure in metered:
             power = figure.power
+            temperature = f"{power['temp_c_mean']:5.0f}" if "temp_c_mean" in power else "    -"
             lines.append(
                 f"{figure.name:<28} {power['sm_mhz_mean']:12d} {power['sm_mhz_min']:6d} "
-                f"{power['watts_sampled']:6.0f} {100 * power['power_capped_share']:6.0f}%"
+                f"{power['watts_sampled']:6.0f} {100 * power['power_capped_share']:6.0f}% "
+                f"{temperature}"
             )
     return "\n".join(lines)

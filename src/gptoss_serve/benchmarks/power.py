@@ -1,11 +1,12 @@
 """The GPU board's power state over a timed stretch of a benchmark, read through NVML
 (nvidia-ml-py, ``import pynvml``).
 
-From 8 decode sequences on, the H200 runs gpt-oss-120b at its 700 W software power cap and
-lowers its SM clock (to 1,500-1,830 MHz at 64 sequences; bench/RESULTS.md e35), so the same
-code's decode figures move by a few percent with the card's power state. Each figure then
-carries the state it ran in: the SM clock's mean and minimum, the mean power, the share of
-samples under the power cap, and the energy by NVML's counter.
+From 8 decode sequences on, and through its prefills, the H200 runs gpt-oss-120b at its 700 W
+software power cap and lowers its SM clock (to 1,440-1,830 MHz at 64 sequences; bench/RESULTS.md
+e35, e36), so the same code's figures move by several percent with the card's power state. Each
+figure then carries the state it ran in: the SM clock's mean and minimum, the mean power, the
+share of samples under the power cap, the GPU's temperature (at one power cap a hotter chip
+leaks more and clocks lower), and the energy by NVML's counter.
 
     meter = power_meter(device)      # None off CUDA, or where NVML is missing or fails
     with meter or contextlib.nullcontext():
@@ -51,12 +52,16 @@ def summarize(
     capped: int,
     seconds: float,
     millijoules: float,
+    *,
+    temperatures_c: list[int] | None = None,
 ) -> dict[str, float]:
     """A reading: the stretch's length, its energy by the counter and that energy's mean power
     (the counter moves in coarse steps: trust it over a second or more), the sampled power's
-    mean, the SM clock's mean and minimum, and the share of samples under the power cap."""
+    mean, the SM clock's mean and minimum, the share of samples under the power cap, and the
+    GPU temperature's mean and maximum (where sampled)."""
     samples = len(clocks_mhz)
-    return {
+    temperatures = temperatures_c or []
+    reading = {
         "seconds": round(seconds, 3),
         "joules": round(millijoules / 1e3, 2),
         "watts": round(millijoules / 1e3 / seconds, 1) if seconds > 0 else 0.0,
@@ -66,6 +71,10 @@ def summarize(
         "power_capped_share": round(capped / samples, 3) if samples else 0.0,
         "samples": samples,
     }
+    if temperatures:
+        reading["temp_c_mean"] = round(sum(temperatures) / len(temperatures), 1)
+        reading["temp_c_max"] = max(temperatures)
+    return reading
 
 
 class PowerMeter:
@@ -89,12 +98,14 @@ class PowerMeter:
             pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
             pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
             pynvml.nvmlDeviceGetPowerUsage(handle)
+            pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
             self._reasons(handle)
         finally:
             pynvml.nvmlShutdown()
         self._handle = None
         self._clocks: list[int] = []
         self._milliwatts: list[int] = []
+        self._temperatures: list[int] = []
         self._capped = 0
         self._seconds = 0.0
         self._millijoules = 0
@@ -121,6 +132,9 @@ class PowerMeter:
         while not self._stop.is_set():
             self._clocks.append(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
             self._milliwatts.append(nvml.nvmlDeviceGetPowerUsage(handle))
+            self._temperatures.append(
+                nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+            )
             self._capped += bool(self._reasons(handle) & SW_POWER_CAP)
             time.sleep(SAMPLE_S)
 
@@ -156,7 +170,7 @@ class PowerMeter:
     def reading(self) -> dict[str, float]:
         """The summary (``summarize``) of every stretch measured so far."""
         return summarize(self._clocks, self._milliwatts, self._capped, self._seconds,
-                         self._millijoules)  # fmt: skip
+                         self._millijoules, temperatures_c=self._temperatures)  # fmt: skip
 
 
 def power_meter(device: torch.device) -> PowerMeter | None:
