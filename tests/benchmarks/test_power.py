@@ -74,6 +74,7 @@ class _FakeNvml(types.ModuleType):
         super().__init__("pynvml")
         self.inits = 0
         self.millijoules = 0
+        self.energy_fails = False
 
     def nvmlInit(self) -> None:  # noqa: N802 (pynvml's names)
         self.inits += 1
@@ -87,6 +88,8 @@ class _FakeNvml(types.ModuleType):
         return "board"
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:  # noqa: N802
+        if self.energy_fails:
+            raise self.NVMLError("the counter is gone")
         self.millijoules += 650
         return self.millijoules
 
@@ -125,4 +128,11 @@ def test_a_meter_entered_twice_sums_both_stretches(monkeypatch: pytest.MonkeyPat
     assert eb.format_table([figure]).splitlines()[-1].split()[-1] == "61"
     with pytest.raises(nvml.NVMLError):
         PowerMeter(1)
+    assert nvml.inits == 0
+    # a read that fails mid-benchmark is raised, and leaves no sampler running, NVML shut down
+    with pytest.raises(nvml.NVMLError), meter:
+        nvml.energy_fails = True
+    assert nvml.inits == 0 and meter._thread is None
+    with pytest.raises(nvml.NVMLError), meter:
+        pass
     assert nvml.inits == 0

@@ -142,7 +142,11 @@ class PowerMeter:
         if self._thread is not None:
             raise RuntimeError("this power meter is already measuring")
         self._handle = self._open()
-        self._start_mj = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
+        try:
+            self._start_mj = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
+        except self._nvml.NVMLError:
+            self._nvml.nvmlShutdown()
+            raise
         self._start_s = time.perf_counter()
         self._stop.clear()
         self._thread = threading.Thread(target=self._sample, args=(self._handle,),
@@ -156,16 +160,18 @@ class PowerMeter:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._millijoules += (
-            self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._start_mj
-        )
-        self._seconds += time.perf_counter() - self._start_s
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self._thread = None
-        self._handle = None
-        self._nvml.nvmlShutdown()
+        try:
+            self._millijoules += (
+                self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._start_mj
+            )
+            self._seconds += time.perf_counter() - self._start_s
+        finally:  # the sampler stops and NVML shuts down even if the counter's read failed
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            self._thread = None
+            self._handle = None
+            self._nvml.nvmlShutdown()
 
     def reading(self) -> dict[str, float]:
         """The summary (``summarize``) of every stretch measured so far."""
