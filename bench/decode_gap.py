@@ -3,6 +3,7 @@ against the device's busy time, its idle gaps and its kernels.
 
     cd bench && python3 decode_gap.py [--batch 64] [--context 1024] [--steps 40]
                                       [--out results/decode_gap.json] [--qkv-mma-max-tokens N]
+                                      [--variant moe:gate_up_rows=128,gate_up_warps=4]
 
 As `gptoss-serve bench` times ``decode_conc<B>_tok_s``: B requests of ``--context`` random prompt
 tokens, temperature 1, top_p 1, a seed each, every prefill and first token first; then
@@ -13,6 +14,12 @@ profiler's; each with the board's power state through NVML, benchmarks/power.py)
 and as many again under torch.profiler (CUDA activity only): the union of the
 kernels' intervals against the profiled window (the device's busy share), the idle gaps of
 more than 5 us between kernels (count and time a step), and each kernel's time a step.
+
+``--variant TARGET:FIELDS`` runs the engine under another table row, as bench/step_tiles.py
+varies the whole step (TARGET moe, attention or dense; FIELDS as its ``--variants``), for the
+batch's row: an A/B in the engine itself, where 32-64 sequences decode at the card's power
+cap and the bench's figures move by up to 7% between runs (bench/RESULTS.md e36). Each run
+builds a fresh engine; alternate the runs.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import step_tiles
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -93,9 +101,18 @@ def main() -> int:
     parser.add_argument("--qkv-mma-max-tokens", type=int, default=rope.QKV_MMA_MAX_TOKENS,
                         help="rope.QKV_MMA_MAX_TOKENS for this run (an A/B of the fused "
                              "tensor-core q/k/v against cuBLAS and the RoPE kernel)")  # fmt: skip
+    parser.add_argument("--variant", default=None,
+                        help="TARGET:field=value,... (moe, attention or dense; step_tiles.py's "
+                             "variants) for the table row serving --batch")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rope.QKV_MMA_MAX_TOKENS = args.qkv_mma_max_tokens
+    if args.variant:
+        target, _, fields = args.variant.partition(":")
+        if target not in ("moe", "attention", "dense") or not fields:
+            parser.error(f"--variant wants TARGET:field=value,... with TARGET moe, attention "
+                         f"or dense, got {args.variant!r}")  # fmt: skip
+        step_tiles.apply(target, args.batch, step_tiles.parse_variant(fields))
     weights = synthetic_weights(synthetic_model_config("synthetic-120b"), device="cuda")
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.batch))
     make_core, _, _ = build_engine(weights, config)
@@ -125,6 +142,7 @@ def main() -> int:
     result = {
         "device": torch.cuda.get_device_name(), "batch": args.batch, "context": args.context,
         "steps": args.steps, "qkv_mma_max_tokens": rope.QKV_MMA_MAX_TOKENS,
+        "variant": args.variant,
         "host_step_us_median": round(step_us, 1),
         "host_step_us_mean": round(statistics.mean(walls), 1),
         "host_step_us_spread": [round(min(walls), 1), round(max(walls), 1)],
