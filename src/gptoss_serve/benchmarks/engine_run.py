@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from gptoss_serve.benchmarks import engine_bench as eb
-from gptoss_serve.benchmarks.power import power_meter
+from gptoss_serve.benchmarks.power import PowerMeter, power_meter
 from gptoss_serve.config import EngineConfig, SamplingParams
 from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.kv_sizing import KvCachePlan
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 FIT_CAP_GB = 80.0
 FIT_CONTEXT = 128 * 1024  # tokens of context the capped process must serve
 FIT_OUTPUT_TOKENS = 16
+T = TypeVar("T")
 DECODE_BATCHES = (8, 32, 64)  # the concurrent decode figures
 THROUGHPUT_LENGTH = 1024  # prompt and output tokens of each max-throughput sequence
 
@@ -85,13 +87,19 @@ def _figures(
     kv_bytes = cache_dtype(config.kv_cache_dtype, weights.dtype).itemsize
     figures = []
 
-    def decode(figure: str, batch: int, context: int) -> None:
+    def metered(measure: Callable[[PowerMeter | None], T]) -> tuple[T, dict | None]:
+        """``measure``'s result, with it given a fresh meter of the board (None without
+        NVML), and the meter's reading."""
         meter = power_meter(weights.device)
-        value = eb.decode_tok_s(make_core, model, batch=batch, context=context,
-                                num_tokens=decode_tokens, meter=meter)  # fmt: skip
+        value = measure(meter)
+        return value, meter.reading() if meter else None
+
+    def decode(figure: str, batch: int, context: int) -> None:
+        value, power = metered(lambda meter: eb.decode_tok_s(
+            make_core, model, batch=batch, context=context, num_tokens=decode_tokens,
+            meter=meter))  # fmt: skip
         ceiling = eb.decode_ceiling_tok_s(model, batch, context + decode_tokens // 2, rates,
                                           kv_element_bytes=kv_bytes)  # fmt: skip
-        power = meter.reading() if meter else None
         figures.append(eb.Figure(figure, value, ceiling, "tok/s", power))
         logger.warning("%s: %.1f tok/s", figure, value)
 
@@ -105,25 +113,22 @@ def _figures(
         decode(f"decode_conc{batch}_tok_s", batch, 1024)
     prefill_ceiling = eb.prefill_ceiling_tok_s(model, rates)
     for length in (2048, 8192):
-        meter = power_meter(weights.device)
-        runs = eb.prefill_rates(make_core, model, length, meter)
+        runs, power = metered(lambda meter, n=length: eb.prefill_rates(make_core, model, n, meter))
         figures.append(eb.Figure(f"prefill_{length}_tok_s", statistics.median(runs),
-                                 prefill_ceiling, "tok/s", meter.reading() if meter else None,
+                                 prefill_ceiling, "tok/s", power,
                                  tuple(round(run, 1) for run in runs)))  # fmt: skip
-    meter = power_meter(weights.device)
-    ttfts = [1e3 * 1024 / rate for rate in eb.prefill_rates(make_core, model, 1024, meter)]
-    figures.append(eb.Figure("ttft_1k_ms", statistics.median(ttfts), None, "ms",
-                             meter.reading() if meter else None,
+    runs, power = metered(lambda meter: eb.prefill_rates(make_core, model, 1024, meter))
+    ttfts = [1e3 * 1024 / rate for rate in runs]
+    figures.append(eb.Figure("ttft_1k_ms", statistics.median(ttfts), None, "ms", power,
                              tuple(round(ttft, 2) for ttft in ttfts)))  # fmt: skip
     # As many sequences as fit (each holds 2k tokens at its end), up to ``throughput_seqs``.
     seqs = min(throughput_seqs, config.scheduler.max_num_seqs,
                plan.max_num_tokens // (2 * THROUGHPUT_LENGTH))  # fmt: skip
-    meter = power_meter(weights.device)
-    value = eb.max_throughput_tok_s(make_core, model, num_seqs=seqs, length=THROUGHPUT_LENGTH,
-                                    meter=meter)  # fmt: skip
+    value, power = metered(lambda meter: eb.max_throughput_tok_s(
+        make_core, model, num_seqs=seqs, length=THROUGHPUT_LENGTH, meter=meter))  # fmt: skip
     ceiling = eb.decode_ceiling_tok_s(model, seqs, 1536, rates, kv_element_bytes=kv_bytes)
     figures.append(eb.Figure("max_throughput_tok_s", value, ceiling, f"tok/s ({seqs} seqs)",
-                             meter.reading() if meter else None))  # fmt: skip
+                             power))  # fmt: skip
     figures.append(eb.Figure("peak_gpu_memory_gb", eb.peak_memory_gb(weights.device), None, "GB"))
     return figures
 
