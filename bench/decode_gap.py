@@ -98,21 +98,29 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, default=Path("results/decode_gap.json"))
-    parser.add_argument("--qkv-mma-max-tokens", type=int, default=rope.QKV_MMA_MAX_TOKENS,
+    parser.add_argument("--qkv-mma-max-tokens", type=int, default=None,
                         help="rope.QKV_MMA_MAX_TOKENS for this run (an A/B of the fused "
-                             "tensor-core q/k/v against cuBLAS and the RoPE kernel)")  # fmt: skip
+                             "tensor-core q/k/v against cuBLAS and the RoPE kernel): "
+                             "--variant dense:qkv_max_tokens=N")  # fmt: skip
     parser.add_argument("--variant", default=None,
                         help="TARGET:field=value,... (moe, attention or dense; step_tiles.py's "
                              "variants) for the table row serving --batch")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rope.QKV_MMA_MAX_TOKENS = args.qkv_mma_max_tokens
+    variants: dict[str, dict] = {}
     if args.variant:
         target, _, fields = args.variant.partition(":")
         if target not in ("moe", "attention", "dense") or not fields:
             parser.error(f"--variant wants TARGET:field=value,... with TARGET moe, attention "
                          f"or dense, got {args.variant!r}")  # fmt: skip
-        step_tiles.apply(target, args.batch, step_tiles.parse_variant(fields))
+        variants[target] = step_tiles.parse_variant(fields)
+    if args.qkv_mma_max_tokens is not None:
+        dense = variants.setdefault("dense", {})
+        if "qkv_max_tokens" in dense:
+            parser.error("--qkv-mma-max-tokens and --variant dense:qkv_max_tokens=... both given")
+        dense["qkv_max_tokens"] = args.qkv_mma_max_tokens
+    for target, fields in variants.items():
+        step_tiles.apply(target, args.batch, fields)
     weights = synthetic_weights(synthetic_model_config("synthetic-120b"), device="cuda")
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=args.batch))
     make_core, _, _ = build_engine(weights, config)
