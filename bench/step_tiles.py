@@ -16,7 +16,9 @@ batch whose projections take the Triton GEMV), ``mma_max_tokens`` ``linear.MMA_M
 (the largest that takes the Triton tensor-core kernels rather than cuBLAS), ``mma_<field>`` a
 field of ``linear.MMA_TILES`` (the plain projections' tensor-core tiles) and ``qkv_<field>``
 one of ``rope.QKV_MMA_TILES`` (the fused q/k/v + RoPE kernel's; ``qkv_fused=False``: unfused;
-``qkv_max_tokens``: ``rope.QKV_MMA_MAX_TOKENS``, the largest batch it serves).
+``qkv_max_tokens``: ``rope.QKV_MMA_MAX_TOKENS``, the largest batch it serves), ``gemv_<field>``,
+``gemv_wide_<field>`` and ``gemv_tall_<field>`` one of the GEMV's ``linear.GEMV_TILES`` (q/k/v),
+``GEMV_TILES_WIDE`` (o) and ``GEMV_TILES_TALL`` (the unembedding): ``rows``, ``num_warps``.
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
@@ -69,6 +71,10 @@ def apply(target: str, batch: int, fields: dict) -> None:
         attention.GPU_TILES = with_row(DEFAULTS["attention"], batch, fields)
     elif target == "dense":
         linear.GEMV_MAX_TOKENS = fields.pop("gemv_max_tokens", DEFAULTS["dense"])
+        for name in ("gemv_wide", "gemv_tall", "gemv"):  # the longer prefixes first
+            attr = name.upper().replace("GEMV", "GEMV_TILES")
+            tiles = dataclasses.replace(DEFAULTS[attr], **prefixed(fields, f"{name}_"))
+            setattr(linear, attr, tiles)
         linear.MMA_MAX_TOKENS = fields.pop("mma_max_tokens", DEFAULTS["mma"])
         linear.MMA_TILES = dataclasses.replace(DEFAULTS["mma_tiles"], **prefixed(fields, "mma_"))
         qkv = prefixed(fields, "qkv_")
@@ -77,7 +83,8 @@ def apply(target: str, batch: int, fields: dict) -> None:
         rope.QKV_MMA_TILES = dataclasses.replace(DEFAULTS["qkv_tiles"], **qkv) if fused else None
         if fields:
             raise ValueError(f"dense variants take gemv_max_tokens, mma_max_tokens, mma_<field>, "
-                             f"qkv_<field> (MmaTiles' fields); got {fields}")  # fmt: skip
+                             f"qkv_<field> (MmaTiles' fields), gemv_<field>, gemv_wide_<field>, "
+                             f"gemv_tall_<field> (GemvTiles'); got {fields}")  # fmt: skip
     else:
         # the row this card serves ``batch`` tokens with (_moe_small.PER_PAIR_MAX_TOKENS_BY_CARD),
         # varied, as a row of its own for ``batch`` ahead of the table's, the card's rule off
@@ -101,13 +108,17 @@ def restore() -> None:
     linear.GEMV_MAX_TOKENS, linear.MMA_MAX_TOKENS = DEFAULTS["dense"], DEFAULTS["mma"]
     linear.MMA_TILES, rope.QKV_MMA_TILES = DEFAULTS["mma_tiles"], DEFAULTS["qkv_tiles"]
     rope.QKV_MMA_MAX_TOKENS = DEFAULTS["qkv_max"]
+    for attr in ("GEMV_TILES", "GEMV_TILES_WIDE", "GEMV_TILES_TALL"):
+        setattr(linear, attr, DEFAULTS[attr])
 
 
 DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
             "dense": linear.GEMV_MAX_TOKENS, "mma": linear.MMA_MAX_TOKENS,
             "mma_tiles": linear.MMA_TILES, "qkv_tiles": rope.QKV_MMA_TILES,
             "qkv_max": rope.QKV_MMA_MAX_TOKENS,
-            "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD}  # fmt: skip
+            "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD, "GEMV_TILES": linear.GEMV_TILES,
+            "GEMV_TILES_WIDE": linear.GEMV_TILES_WIDE,
+            "GEMV_TILES_TALL": linear.GEMV_TILES_TALL}  # fmt: skip
 
 
 def time_step(step: DecodeStep) -> tuple[float, torch.Tensor]:
@@ -146,7 +157,8 @@ def main() -> int:
     dense_row = (
         f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS},MMA_MAX_TOKENS={linear.MMA_MAX_TOKENS},"
         f"MMA_TILES={linear.MMA_TILES},QKV_MMA_TILES={rope.QKV_MMA_TILES},"
-        f"QKV_MMA_MAX_TOKENS={rope.QKV_MMA_MAX_TOKENS}"
+        f"QKV_MMA_MAX_TOKENS={rope.QKV_MMA_MAX_TOKENS},GEMV_TILES={linear.GEMV_TILES},"
+        f"GEMV_TILES_WIDE={linear.GEMV_TILES_WIDE},GEMV_TILES_TALL={linear.GEMV_TILES_TALL}"
     )
     table_row = {"attention": attention.gpu_tiles_for(args.batch), "dense": dense_row}.get(
         args.target, moe_row

@@ -13,9 +13,13 @@ from compare import assert_close
 
 from gptoss_serve.kernels.linear import (
     GEMV_MAX_TOKENS,
+    GEMV_TILES,
+    GEMV_TILES_TALL,
+    GEMV_TILES_WIDE,
     MMA_MAX_TOKENS,
     GemvTiles,
     MmaTiles,
+    gemv_tiles_for,
     linear,
     linear_reference,
     mma_applies,
@@ -99,7 +103,9 @@ def test_gemv_gpu(num_tokens: int, num_rows: int, k: int) -> None:
 
 @pytest.mark.gpu
 @not_interpreted
-@pytest.mark.parametrize("tiles", [GemvTiles(r, w) for r, w in [(1, 4), (2, 8), (8, 8)]])
+@pytest.mark.parametrize(
+    "tiles", [GemvTiles(r, w) for r, w in [(1, 4), (1, 8), (2, 8), (8, 4), (8, 8)]]
+)
 def test_gemv_gpu_tiles(tiles: GemvTiles) -> None:
     _check(2, 5121, 2880, "cuda", torch.float32, tiles=tiles)
 
@@ -113,6 +119,14 @@ def test_mma_interpreted(num_tokens: int, out_dtype: torch.dtype) -> None:
     tiles = MmaTiles(rows=16, block_k=64, num_stages=2, num_warps=4)
     _check(num_tokens, 37, 200, "cpu", out_dtype, tiles=tiles)
     _check(num_tokens, 16, 128, "cpu", out_dtype, has_bias=False, tiles=tiles)
+
+
+def test_gemv_tiles_by_projection() -> None:
+    """q/k/v, o and the unembedding of both model sizes each take their own row."""
+    assert gemv_tiles_for(5120, 2880) == GEMV_TILES
+    assert gemv_tiles_for(2880, 4096) == GEMV_TILES_WIDE
+    assert gemv_tiles_for(201088, 2880) == GEMV_TILES_TALL
+    assert GEMV_TILES != GEMV_TILES_WIDE
 
 
 def test_mma_takes_the_tokens_between_the_gemv_and_cublas() -> None:

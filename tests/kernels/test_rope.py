@@ -257,14 +257,17 @@ def _check_fused(
     )  # fmt: skip
     out_buffer = poisoned((tokens, heads, head_dim + 3), torch.bfloat16, device)
     out = out_buffer[..., :head_dim]
-    # 2 NeoX pairs a program (the GPU's tile), then 1; on the tensor cores (whole heads of a
-    # power-of-two size) the table's tiles (one head) and two heads on a shorter pipeline
-    # (interpreted: two heads, 64-column steps, 2 stages)
+    # 2 NeoX pairs a program, then 1 (on the GPU 4 too: its table's tile); on the tensor cores
+    # (whole heads of a power-of-two size) the table's tiles (one head) and two heads on a
+    # shorter pipeline (interpreted: two heads, 64-column steps, 2 stages)
     mma_tiles = [MmaTiles(rows=2 * head_dim, block_k=64, num_stages=2)] if device == "cpu" else [
         MmaTiles(), MmaTiles(rows=128, num_stages=3)]  # fmt: skip
     if head_dim & (head_dim - 1):
         mma_tiles = []
-    for tiles in [GemvTiles(4, 4), GemvTiles(2, 4), *mma_tiles]:
+    gemv_tiles = [GemvTiles(4, 4), GemvTiles(2, 4)]
+    if device == "cuda":
+        gemv_tiles.append(GemvTiles(8, 4))
+    for tiles in [*gemv_tiles, *mma_tiles]:
         cache.copy_(poisoned_cache)
         out_buffer.fill_(float("nan"))
         actual = qkv_rope_triton(

@@ -34,12 +34,25 @@ class GemvTiles:
     num_warps: int = 8
 
 
+# The GEMV's tiles by weight shape, chosen in the whole 120b decode step as the engine launches
+# it (PDL, CUDA graph; bench/step_tiles.py --target dense, H200, bench/RESULTS.md v26). They
+# were first chosen on plain launches of each projection alone (bench/step_profile.py: q/k/v 4
+# rows x 8 warps 3.16 TB/s, o 1 x 4 3.12, the unembedding 4 x 8 4.46). Under PDL each program
+# loads its rows before it waits for the kernel ahead, and the step favours other shapes: q/k/v
+# 8 x 4 and o 1 x 8 took it from 2.255 to 2.184 ms at batch 1 and 1k context (-3.1%; either
+# alone -1.4 / -1.7%), 2.320 -> 2.281 at 8k, batch 2 3.206 -> 3.108 at 1k. The unembedding's
+# 4 x 8 held (4 x 4, 8 x 8, 2 x 4: even or slower).
+GEMV_TILES = GemvTiles(8, 4)  # K <= 3072 (q/k/v [5120, 2880])
+GEMV_TILES_WIDE = GemvTiles(1, 8)  # K > 3072 (o [2880, 4096])
+GEMV_TILES_TALL = GemvTiles(4, 8)  # 65536 rows or more (the unembedding [201088, 2880])
+TALL_ROWS = 65536
+
+
 def gemv_tiles_for(num_rows: int, k: int) -> GemvTiles:
-    """Launch shape for an [num_rows, k] weight, from bench/step_profile.py's sweep on the H200
-    (36 layers of 120b): q/k/v [5120, 2880] 4 rows x 8 warps 3.16 TB/s (1 x 4: 2.93); o [2880,
-    4096] 1 x 4 3.12 TB/s (4 x 8: 2.82); the unembedding [201088, 2880] 4 x 8 4.46 TB/s."""
-    del num_rows
-    return GemvTiles(1, 4) if k > 3072 else GemvTiles(4, 8)
+    """The GEMV's launch shape for an [num_rows, k] weight (the table above)."""
+    if k > 3072:
+        return GEMV_TILES_WIDE
+    return GEMV_TILES_TALL if num_rows >= TALL_ROWS else GEMV_TILES
 
 
 def linear(
