@@ -71,10 +71,8 @@ def apply(target: str, batch: int, fields: dict) -> None:
         attention.GPU_TILES = with_row(DEFAULTS["attention"], batch, fields)
     elif target == "dense":
         linear.GEMV_MAX_TOKENS = fields.pop("gemv_max_tokens", DEFAULTS["dense"])
-        for name in ("gemv_wide", "gemv_tall", "gemv"):  # the longer prefixes first
-            attr = name.upper().replace("GEMV", "GEMV_TILES")
-            tiles = dataclasses.replace(DEFAULTS[attr], **prefixed(fields, f"{name}_"))
-            setattr(linear, attr, tiles)
+        for prefix, attr in GEMV_ROWS:
+            setattr(linear, attr, dataclasses.replace(DEFAULTS[attr], **prefixed(fields, prefix)))
         linear.MMA_MAX_TOKENS = fields.pop("mma_max_tokens", DEFAULTS["mma"])
         linear.MMA_TILES = dataclasses.replace(DEFAULTS["mma_tiles"], **prefixed(fields, "mma_"))
         qkv = prefixed(fields, "qkv_")
@@ -108,17 +106,20 @@ def restore() -> None:
     linear.GEMV_MAX_TOKENS, linear.MMA_MAX_TOKENS = DEFAULTS["dense"], DEFAULTS["mma"]
     linear.MMA_TILES, rope.QKV_MMA_TILES = DEFAULTS["mma_tiles"], DEFAULTS["qkv_tiles"]
     rope.QKV_MMA_MAX_TOKENS = DEFAULTS["qkv_max"]
-    for attr in ("GEMV_TILES", "GEMV_TILES_WIDE", "GEMV_TILES_TALL"):
+    for _, attr in GEMV_ROWS:
         setattr(linear, attr, DEFAULTS[attr])
 
 
+# The dense variants' GEMV fields: (prefix, linear's tiles it varies), the longer prefixes
+# first, since "gemv_" begins the other two.
+GEMV_ROWS = (("gemv_wide_", "GEMV_TILES_WIDE"), ("gemv_tall_", "GEMV_TILES_TALL"),
+             ("gemv_", "GEMV_TILES"))  # fmt: skip
 DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
             "dense": linear.GEMV_MAX_TOKENS, "mma": linear.MMA_MAX_TOKENS,
             "mma_tiles": linear.MMA_TILES, "qkv_tiles": rope.QKV_MMA_TILES,
             "qkv_max": rope.QKV_MMA_MAX_TOKENS,
-            "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD, "GEMV_TILES": linear.GEMV_TILES,
-            "GEMV_TILES_WIDE": linear.GEMV_TILES_WIDE,
-            "GEMV_TILES_TALL": linear.GEMV_TILES_TALL}  # fmt: skip
+            "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD,
+            **{attr: getattr(linear, attr) for _, attr in GEMV_ROWS}}  # fmt: skip
 
 
 def time_step(step: DecodeStep) -> tuple[float, torch.Tensor]:
