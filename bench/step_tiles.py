@@ -6,6 +6,7 @@ of the table's tiles.
                                [--context 1024] [--out bench/results/step_tiles.json]
     python bench/step_tiles.py --target attention --variants block_n=128,num_stages=4 ...
     python bench/step_tiles.py --target dense --batch 8 --variants gemv_max_tokens=4 ...
+    python bench/step_tiles.py --target norm --variants wide_row_warps=4 ...
 
 A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
 fields of the table row that serves ``--batch`` tokens on this card (``decode_tiles_for``; ints,
@@ -18,7 +19,9 @@ field of ``linear.MMA_TILES`` (the plain projections' tensor-core tiles) and ``q
 one of ``rope.QKV_MMA_TILES`` (the fused q/k/v + RoPE kernel's; ``qkv_fused=False``: unfused;
 ``qkv_max_tokens``: ``rope.QKV_MMA_MAX_TOKENS``, the largest batch it serves), ``gemv_<field>``,
 ``gemv_wide_<field>`` and ``gemv_tall_<field>`` one of the GEMV's ``linear.GEMV_TILES`` (q/k/v),
-``GEMV_TILES_WIDE`` (o) and ``GEMV_TILES_TALL`` (the unembedding): ``rows``, ``num_warps``.
+``GEMV_TILES_WIDE`` (o) and ``GEMV_TILES_TALL`` (the unembedding): ``rows``, ``num_warps``;
+with ``--target norm``, ``wide_row_warps`` replaces ``_norm.WIDE_ROW_WARPS`` (the fused add +
+RMSNorm's warps a row; the attention row's ``merge_warps`` is the split merge's).
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
@@ -42,6 +45,7 @@ from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _attention_decode as attention
 from gptoss_serve.kernels import _moe_small as small
+from gptoss_serve.kernels import _norm as norm
 from gptoss_serve.kernels import linear, rope
 from kernels import graph_time_ms, write_results
 
@@ -69,6 +73,10 @@ def apply(target: str, batch: int, fields: dict) -> None:
     """Install the variant (``restore`` puts the defaults back)."""
     if target == "attention":
         attention.GPU_TILES = with_row(DEFAULTS["attention"], batch, fields)
+    elif target == "norm":
+        norm.WIDE_ROW_WARPS = fields.pop("wide_row_warps", DEFAULTS["norm"])
+        if fields:
+            raise ValueError(f"norm variants take wide_row_warps, got {fields}")
     elif target == "dense":
         linear.GEMV_MAX_TOKENS = fields.pop("gemv_max_tokens", DEFAULTS["dense"])
         for prefix, attr in GEMV_ROWS:
@@ -106,6 +114,7 @@ def restore() -> None:
     linear.GEMV_MAX_TOKENS, linear.MMA_MAX_TOKENS = DEFAULTS["dense"], DEFAULTS["mma"]
     linear.MMA_TILES, rope.QKV_MMA_TILES = DEFAULTS["mma_tiles"], DEFAULTS["qkv_tiles"]
     rope.QKV_MMA_MAX_TOKENS = DEFAULTS["qkv_max"]
+    norm.WIDE_ROW_WARPS = DEFAULTS["norm"]
     for _, attr in GEMV_ROWS:
         setattr(linear, attr, DEFAULTS[attr])
 
@@ -118,7 +127,7 @@ DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
             "dense": linear.GEMV_MAX_TOKENS, "mma": linear.MMA_MAX_TOKENS,
             "mma_tiles": linear.MMA_TILES, "qkv_tiles": rope.QKV_MMA_TILES,
             "qkv_max": rope.QKV_MMA_MAX_TOKENS,
-            "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD,
+            "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD, "norm": norm.WIDE_ROW_WARPS,
             **{attr: getattr(linear, attr) for _, attr in GEMV_ROWS}}  # fmt: skip
 
 
@@ -132,7 +141,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--variants", nargs="+", required=True)
-    parser.add_argument("--target", choices=("moe", "attention", "dense"), default="moe")
+    parser.add_argument("--target", choices=("moe", "attention", "dense", "norm"), default="moe")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results/step_tiles.json"
     )
@@ -161,9 +170,9 @@ def main() -> int:
         f"QKV_MMA_MAX_TOKENS={rope.QKV_MMA_MAX_TOKENS},GEMV_TILES={linear.GEMV_TILES},"
         f"GEMV_TILES_WIDE={linear.GEMV_TILES_WIDE},GEMV_TILES_TALL={linear.GEMV_TILES_TALL}"
     )
-    table_row = {"attention": attention.gpu_tiles_for(args.batch), "dense": dense_row}.get(
-        args.target, moe_row
-    )
+    norm_row = f"WIDE_ROW_WARPS={norm.WIDE_ROW_WARPS}"
+    table_row = {"attention": attention.gpu_tiles_for(args.batch), "dense": dense_row,
+                 "norm": norm_row}.get(args.target, moe_row)  # fmt: skip
     write_results(args.out, batch=args.batch, context=args.context, target=args.target,
                   table_row=str(table_row), rows=rows)  # fmt: skip
     sys.stdout.write(f"\nwhole step, batch {args.batch}, context {args.context} (ms)\n")

@@ -47,6 +47,7 @@ class DecodeTiles:
     programs_per_sm: int = PROGRAMS_PER_SM  # the grid's target (choose_num_splits)
     # Each split's first K/V tile asked of L2 before the PDL wait (_decode_kernel)
     prefetch: bool = False
+    merge_warps: int = 4  # the split merge's (_combine_kernel: one program per head, sequence)
 
 
 # H200, by batch (the first entry with batch <= its bound serves it; a CUDA graph's grid is
@@ -319,6 +320,6 @@ def launch_decode(
         launcher(_combine_kernel)[(num_heads, batch)](
             sinks, part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-            PDL=pdl, num_warps=4, launch_pdl=pdl,
+            PDL=pdl, num_warps=tiles.merge_warps, launch_pdl=pdl,
         )  # fmt: skip
     return out

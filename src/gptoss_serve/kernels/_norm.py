@@ -16,6 +16,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from gptoss_serve.kernels.fast_launch import launcher
 
+# Warps of a program whose row block has 2048+ lanes (4 below: one warp holds 32 of them a
+# register each). hidden = 2880 takes 4096-lane blocks, 16 lanes a thread on 8 warps.
+WIDE_ROW_WARPS = 8
+
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
@@ -100,7 +104,7 @@ def fused_add_rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         PDL=pdl,
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=WIDE_ROW_WARPS if block >= 2048 else 4,
         launch_pdl=pdl,
     )
     return normed, new_residual
