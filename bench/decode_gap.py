@@ -16,10 +16,10 @@ kernels' intervals against the profiled window (the device's busy share), the id
 more than 5 us between kernels (count and time a step), and each kernel's time a step.
 
 ``--variant TARGET:FIELDS`` runs the engine under another table row, as bench/step_tiles.py
-varies the whole step (TARGET moe, attention or dense; FIELDS as its ``--variants``), for the
-batch's row: an A/B in the engine itself, where 32-64 sequences decode at the card's power
-cap and the bench's figures move by up to 7% between runs (bench/RESULTS.md e36). Each run
-builds a fresh engine; alternate the runs.
+varies the whole step (TARGET moe, attention, dense or norm; FIELDS as its ``--variants``),
+for the batch's row: an A/B in the engine itself, where 32-64 sequences decode at the card's
+power cap and the bench's figures move by up to 7% between runs (bench/RESULTS.md e36). Each
+run builds a fresh engine; alternate the runs.
 """
 
 from __future__ import annotations
@@ -109,10 +109,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     variants: dict[str, dict] = {}
     if args.variant:
-        target, _, fields = args.variant.partition(":")
-        if target not in ("moe", "attention", "dense") or not fields:
-            parser.error(f"--variant wants TARGET:field=value,... with TARGET moe, attention "
-                         f"or dense, got {args.variant!r}")  # fmt: skip
+        try:
+            target, fields = step_tiles.split_target(args.variant, None)
+        except ValueError as error:
+            parser.error(str(error))
         variants[target] = step_tiles.parse_variant(fields)
     if args.qkv_mma_max_tokens is not None:
         dense = variants.setdefault("dense", {})

@@ -7,6 +7,7 @@ of the table's tiles.
     python bench/step_tiles.py --target attention --variants block_n=128,num_stages=4 ...
     python bench/step_tiles.py --target dense --batch 8 --variants gemv_max_tokens=4 ...
     python bench/step_tiles.py --target norm --variants wide_row_warps=4 ...
+    python bench/step_tiles.py --variants norm:wide_row_warps=4 attention:merge_warps=2 ...
 
 A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
 fields of the table row that serves ``--batch`` tokens on this card (``decode_tiles_for``; ints,
@@ -21,7 +22,8 @@ one of ``rope.QKV_MMA_TILES`` (the fused q/k/v + RoPE kernel's; ``qkv_fused=Fals
 ``gemv_wide_<field>`` and ``gemv_tall_<field>`` one of the GEMV's ``linear.GEMV_TILES`` (q/k/v),
 ``GEMV_TILES_WIDE`` (o) and ``GEMV_TILES_TALL`` (the unembedding): ``rows``, ``num_warps``;
 with ``--target norm``, ``wide_row_warps`` replaces ``_norm.WIDE_ROW_WARPS`` (the fused add +
-RMSNorm's warps a row; the attention row's ``merge_warps`` is the split merge's).
+RMSNorm's warps a row; the attention row's ``merge_warps`` is the split merge's). A variant
+``TARGET:fields`` names its own target, so one run (one build of the weights) can vary several.
 Isolated kernel timings (moe_profile.py) have disagreed with the whole step before (RESULTS
 v8: routing in the router's last program), so the step decides. Random 120b-shaped weights,
 built once; the same inputs for every variant, whose logits must equal the table's to the
@@ -50,6 +52,19 @@ from gptoss_serve.kernels import linear, rope
 from kernels import graph_time_ms, write_results
 
 LITERALS = {"None": None, "True": True, "False": False}
+TARGETS = ("moe", "attention", "dense", "norm")
+
+
+def split_target(text: str, default: str | None) -> tuple[str, str]:
+    """(target, fields) of a variant: ``TARGET:fields``, or ``fields`` of ``default`` (None:
+    the target must be named)."""
+    target, colon, fields = text.partition(":")
+    if not colon and default is not None:
+        return default, text
+    if target not in TARGETS or not fields:
+        raise ValueError(f"a variant is [TARGET:]field=value,... with TARGET one of {TARGETS}, "
+                         f"got {text!r}")  # fmt: skip
+    return target, fields
 
 
 def parse_variant(text: str) -> dict:
@@ -141,7 +156,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--variants", nargs="+", required=True)
-    parser.add_argument("--target", choices=("moe", "attention", "dense", "norm"), default="moe")
+    parser.add_argument("--target", choices=TARGETS, default="moe")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results/step_tiles.json"
     )
@@ -152,8 +167,8 @@ def main() -> int:
     rows = []
     base_ms, base_logits = time_step(step)
     for text in args.variants:
-        fields = parse_variant(text)
-        apply(args.target, args.batch, fields)
+        target, fields = split_target(text, args.target)
+        apply(target, args.batch, parse_variant(fields))
         try:
             ms, logits = time_step(step)
         finally:
