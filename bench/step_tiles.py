@@ -19,8 +19,9 @@ batch whose projections take the Triton GEMV), ``mma_max_tokens`` ``linear.MMA_M
 field of ``linear.MMA_TILES`` (the plain projections' tensor-core tiles) and ``qkv_<field>``
 one of ``rope.QKV_MMA_TILES`` (the fused q/k/v + RoPE kernel's; ``qkv_fused=False``: unfused;
 ``qkv_max_tokens``: ``rope.QKV_MMA_MAX_TOKENS``, the largest batch it serves), ``gemv_<field>``,
-``gemv_wide_<field>`` and ``gemv_tall_<field>`` one of the GEMV's ``linear.GEMV_TILES`` (q/k/v),
-``GEMV_TILES_WIDE`` (o) and ``GEMV_TILES_TALL`` (the unembedding): ``rows``, ``num_warps``;
+``gemv_wide_<field>``, ``gemv_pair_<field>`` and ``gemv_tall_<field>`` one of the GEMV's
+``linear.GEMV_TILES`` (q/k/v), ``GEMV_TILES_WIDE`` (o), ``GEMV_TILES_WIDE_PAIR`` (o at 2 tokens)
+and ``GEMV_TILES_TALL`` (the unembedding): ``rows``, ``num_warps``;
 with ``--target norm``, ``wide_row_warps`` replaces ``_norm.WIDE_ROW_WARPS`` (the fused add +
 RMSNorm's warps a row; the attention row's ``merge_warps`` is the split merge's). A variant
 ``TARGET:fields`` names its own target, so one run (one build of the weights) can vary several.
@@ -105,7 +106,8 @@ def apply(target: str, batch: int, fields: dict) -> None:
         if fields:
             raise ValueError(f"dense variants take gemv_max_tokens, mma_max_tokens, mma_<field>, "
                              f"qkv_<field> (MmaTiles' fields), gemv_<field>, gemv_wide_<field>, "
-                             f"gemv_tall_<field> (GemvTiles'); got {fields}")  # fmt: skip
+                             f"gemv_pair_<field>, gemv_tall_<field> (GemvTiles'); "
+                             f"got {fields}")  # fmt: skip
     else:
         # the row this card serves ``batch`` tokens with (_moe_small.PER_PAIR_MAX_TOKENS_BY_CARD),
         # varied, as a row of its own for ``batch`` ahead of the table's, the card's rule off
@@ -136,8 +138,8 @@ def restore() -> None:
 
 # The dense variants' GEMV fields: (prefix, linear's tiles it varies), the longer prefixes
 # first, since "gemv_" begins the other two.
-GEMV_ROWS = (("gemv_wide_", "GEMV_TILES_WIDE"), ("gemv_tall_", "GEMV_TILES_TALL"),
-             ("gemv_", "GEMV_TILES"))  # fmt: skip
+GEMV_ROWS = (("gemv_wide_", "GEMV_TILES_WIDE"), ("gemv_pair_", "GEMV_TILES_WIDE_PAIR"),
+             ("gemv_tall_", "GEMV_TILES_TALL"), ("gemv_", "GEMV_TILES"))  # fmt: skip
 DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
             "dense": linear.GEMV_MAX_TOKENS, "mma": linear.MMA_MAX_TOKENS,
             "mma_tiles": linear.MMA_TILES, "qkv_tiles": rope.QKV_MMA_TILES,
@@ -183,7 +185,8 @@ def main() -> int:
         f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS},MMA_MAX_TOKENS={linear.MMA_MAX_TOKENS},"
         f"MMA_TILES={linear.MMA_TILES},QKV_MMA_TILES={rope.QKV_MMA_TILES},"
         f"QKV_MMA_MAX_TOKENS={rope.QKV_MMA_MAX_TOKENS},GEMV_TILES={linear.GEMV_TILES},"
-        f"GEMV_TILES_WIDE={linear.GEMV_TILES_WIDE},GEMV_TILES_TALL={linear.GEMV_TILES_TALL}"
+        f"GEMV_TILES_WIDE={linear.GEMV_TILES_WIDE},GEMV_TILES_TALL={linear.GEMV_TILES_TALL},"
+        f"GEMV_TILES_WIDE_PAIR={linear.GEMV_TILES_WIDE_PAIR}"
     )
     norm_row = f"WIDE_ROW_WARPS={norm.WIDE_ROW_WARPS}"
     table_row = {"attention": attention.gpu_tiles_for(args.batch), "dense": dense_row,

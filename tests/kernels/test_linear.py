@@ -16,6 +16,7 @@ from gptoss_serve.kernels.linear import (
     GEMV_TILES,
     GEMV_TILES_TALL,
     GEMV_TILES_WIDE,
+    GEMV_TILES_WIDE_PAIR,
     MMA_MAX_TOKENS,
     GemvTiles,
     MmaTiles,
@@ -122,11 +123,14 @@ def test_mma_interpreted(num_tokens: int, out_dtype: torch.dtype) -> None:
 
 
 def test_gemv_tiles_by_projection() -> None:
-    """q/k/v, o and the unembedding of both model sizes each take their own row."""
-    assert gemv_tiles_for(5120, 2880) == GEMV_TILES
-    assert gemv_tiles_for(2880, 4096) == GEMV_TILES_WIDE
-    assert gemv_tiles_for(201088, 2880) == GEMV_TILES_TALL
-    assert GEMV_TILES != GEMV_TILES_WIDE
+    """q/k/v, o and the unembedding of both model sizes each take their own row; o its own at
+    2 tokens."""
+    for num_tokens in (1, 2):
+        assert gemv_tiles_for(5120, 2880, num_tokens) == GEMV_TILES
+        assert gemv_tiles_for(201088, 2880, num_tokens) == GEMV_TILES_TALL
+    assert gemv_tiles_for(2880, 4096) == gemv_tiles_for(2880, 4096, 1) == GEMV_TILES_WIDE
+    assert gemv_tiles_for(2880, 4096, 2) == GEMV_TILES_WIDE_PAIR
+    assert len({GEMV_TILES, GEMV_TILES_WIDE, GEMV_TILES_WIDE_PAIR}) == 3
 
 
 def test_mma_takes_the_tokens_between_the_gemv_and_cublas() -> None:

@@ -538,9 +538,11 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 def test_small_batch_gate_up_keeps_its_registers() -> None:
-    """The 1-8-token rows' gate_up with its top-4 in every warp: 80 registers a thread at 120b
-    shapes (168 when the top-4's reductions crossed warps, bench/RESULTS.md v16), so 4-warp
-    programs fit 6 an SM."""
+    """The 1- and 3-4-token rows' gate_up with its top-4 in every warp: 80 registers a thread
+    at 120b shapes with K in 2 parts, 108-110 in 4 (both rows since v27: twice the words a
+    thread a step), against 168 when the top-4's reductions crossed warps (bench/RESULTS.md
+    v16): 4-warp programs fit 4 an SM, where the 360 programs need 2.7. (5-8 tokens take the
+    grouped columns on the H200 since e30, which this test's 8 tokens then met.)"""
     from gptoss_serve.kernels import _moe_decode  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
     from gptoss_serve.kernels.mxfp4_layout import STEP_ROWS  # noqa: PLC0415
@@ -548,7 +550,7 @@ def test_small_batch_gate_up_keeps_its_registers() -> None:
     pointers = {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16"}
     pointers |= {"logits_ptr": "*fp32", "routing_weights_ptr": "*fp32"}
     pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8"}
-    for num_tokens in (1, 8):
+    for num_tokens in (1, 3):
         tiles = decode_tiles_for(num_tokens)
         assert tiles.warp_topk and not tiles.group_columns
         constexprs = dict(H=2880, N=5760, E=128, TOP_K=4, ROUTED=False, PTX=True, PDL=True,
@@ -557,7 +559,7 @@ def test_small_batch_gate_up_keeps_its_registers() -> None:
                           NUM_STAGES=tiles.gate_up_stages)  # fmt: skip
         constexprs |= split_plan(2880, tiles.gate_up_split, tiles.gate_up_unroll)
         options = dict(num_warps=tiles.gate_up_warps, num_stages=tiles.gate_up_stages)
-        assert sm90_registers(_moe_decode._gate_up_kernel, constexprs, pointers, options) <= 96
+        assert sm90_registers(_moe_decode._gate_up_kernel, constexprs, pointers, options) <= 112
 
 
 def columns_ptx(tiles) -> list[str]:

@@ -210,14 +210,21 @@ _PREFILL_COLUMNS = dataclasses.replace(
 # (168 -> 80 at T = 1), and 4 warps then pay at 3-4 tokens. Whole 120b step (step_tiles.py,
 # H100, logits the same bits at T = 1): batch 1 2.667 -> 2.609 ms, 3 5.056 -> 4.751, 4 5.780 ->
 # 5.414; at batch 2 the 4 warps lost (3.658 -> 3.696; warps alone 3.815), so T = 2 keeps its row.
+# Since v27 (H200, the whole step as the engine launches it, PDL; step_tiles.py) gate_up splits
+# each row's K in 4 parts at 1 and 3-4 tokens (twice the bytes a thread has in flight a step,
+# the same 360 programs), at 1 token on 2 stages: batch 1 1k 2.182-2.198 -> 2.133-2.138 ms, 8k
+# 2.283-2.303 -> 2.248-2.250, batch 3 / 4 3.676-3.686 / 4.195-4.216 -> 3.634-3.636 / 4.148-4.163.
+# At 2 tokens gate_up on 2 stages: 3.118-3.144 -> 3.059-3.075. (4 parts on 3 stages at 1
+# token 2.177-2.179; 2 stages alone 2.214; at 2 tokens 4 parts lost, 3.14-3.32.)
 DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
-    (1, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_warps=4,
-                    down_stages=3, route_in_router=False, warp_topk=True)),
-    (2, DecodeTiles(gate_up_rows=64, gate_up_stages=3, down_rows=16, down_warps=4,
+    (1, DecodeTiles(gate_up_rows=64, gate_up_split=4, gate_up_warps=4, gate_up_stages=2,
+                    down_warps=4, down_stages=3, route_in_router=False, warp_topk=True)),
+    (2, DecodeTiles(gate_up_rows=64, gate_up_stages=2, down_rows=16, down_warps=4,
                     down_stages=3, route_in_router=False)),
     # 3-4 tokens; on an H100 5-8 tokens too (PER_PAIR_MAX_TOKENS_BY_CARD).
-    (4, DecodeTiles(gate_up_rows=64, gate_up_warps=4, gate_up_stages=3, down_rows=16,
-                    down_warps=4, down_stages=3, route_in_router=False, warp_topk=True)),
+    (4, DecodeTiles(gate_up_rows=64, gate_up_split=4, gate_up_warps=4, gate_up_stages=3,
+                    down_rows=16, down_warps=4, down_stages=3, route_in_router=False,
+                    warp_topk=True)),
     # From 5 tokens (9 on an H100) the pairs grouped by expert (_moe_columns.py). From 17 tokens
     # since v5: gate_up + down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us (H200). From
     # 5 since v14, once a group's unused MMA columns were no longer read: the whole 120b step

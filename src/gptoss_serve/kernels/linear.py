@@ -41,17 +41,20 @@ class GemvTiles:
 # loads its rows before it waits for the kernel ahead, and the step favours other shapes: q/k/v
 # 8 x 4 and o 1 x 8 took it from 2.255 to 2.184 ms at batch 1 and 1k context (-3.1%; either
 # alone -1.4 / -1.7%), 2.320 -> 2.281 at 8k, batch 2 3.206 -> 3.108 at 1k. The unembedding's
-# 4 x 8 held (4 x 4, 8 x 8, 2 x 4: even or slower).
+# 4 x 8 held (4 x 4, 8 x 8, 2 x 4: even or slower). At 2 tokens o takes 1 x 4 (bench/RESULTS.md
+# v27: batch 2, 1k, 3.100-3.119 against the table's 3.123-3.153 ms in four runs).
 GEMV_TILES = GemvTiles(8, 4)  # K <= 3072 (q/k/v [5120, 2880])
-GEMV_TILES_WIDE = GemvTiles(1, 8)  # K > 3072 (o [2880, 4096])
+GEMV_TILES_WIDE = GemvTiles(1, 8)  # K > 3072 (o [2880, 4096]), 1 token
+GEMV_TILES_WIDE_PAIR = GemvTiles(1, 4)  # the same at 2 tokens
 GEMV_TILES_TALL = GemvTiles(4, 8)  # 65536 rows or more (the unembedding [201088, 2880])
 TALL_ROWS = 65536
 
 
-def gemv_tiles_for(num_rows: int, k: int) -> GemvTiles:
-    """The GEMV's launch shape for an [num_rows, k] weight (the table above)."""
+def gemv_tiles_for(num_rows: int, k: int, num_tokens: int = 1) -> GemvTiles:
+    """The GEMV's launch shape for an [num_rows, k] weight and ``num_tokens`` tokens (the
+    table above)."""
     if k > 3072:
-        return GEMV_TILES_WIDE
+        return GEMV_TILES_WIDE_PAIR if num_tokens == 2 else GEMV_TILES_WIDE
     return GEMV_TILES_TALL if num_rows >= TALL_ROWS else GEMV_TILES
 
 
@@ -75,7 +78,7 @@ def linear(
         # Imported here: CPU installs may have no triton at all.
         from gptoss_serve.kernels._linear import linear_triton  # noqa: PLC0415
 
-        tiles = tiles or gemv_tiles_for(*weight.shape)
+        tiles = tiles or gemv_tiles_for(*weight.shape, x.shape[0])
         return linear_triton(x, weight, bias, out_dtype, tiles, pdl=pdl_applies(pdl, x))
     if x.is_cuda and mma_applies(x, weight, out_dtype):
         from gptoss_serve.kernels._linear_mma import linear_mma_triton  # noqa: PLC0415

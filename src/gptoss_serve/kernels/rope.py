@@ -164,7 +164,7 @@ def qkv_rope_and_cache_write(  # noqa: PLR0917 (one positional argument per tens
         return qkv_rope_triton(
             x, qkv_weight, qkv_bias, positions, cos_sin, k_cache, v_cache, slot_mapping,
             num_heads=num_heads, num_kv_heads=num_kv_heads,
-            tiles=linear.gemv_tiles_for(*qkv_weight.shape), pdl=pdl_applies(pdl, x),
+            tiles=linear.gemv_tiles_for(*qkv_weight.shape, x.shape[0]), pdl=pdl_applies(pdl, x),
         )  # fmt: skip
     # From 3 tokens to QKV_MMA_MAX_TOKENS: the tensor-core projection with the same epilogue.
     tiles = QKV_MMA_TILES
