@@ -151,3 +151,56 @@ def test_the_figures_in_the_tables_order_with_their_ceilings(
     throughput = by_name["max_throughput_tok_s"]
     assert throughput.unit == "tok/s (773 seqs)"  # 1,583,536 KV tokens / 2k a sequence
     assert throughput.ceiling == pytest.approx(eb.decode_ceiling_tok_s(model, 773, 1536))
+
+
+class _ClockedCore:
+    """A stand-in engine core on a fake clock: each step gives every running request one
+    token and takes one second."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+        self.left: dict[str, int] = {}
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self.left[request_id] = params.max_tokens
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return any(self.left.values())
+
+    def step(self) -> SimpleNamespace:
+        self.clock[0] += 1.0
+        outputs = [SimpleNamespace(request_id=r, new_token_ids=[0]) for r, n in self.left.items()
+                   if n]  # fmt: skip
+        self.left = {r: max(n - 1, 0) for r, n in self.left.items()}
+        return SimpleNamespace(failed=[], outputs=outputs)
+
+    def close(self) -> None:
+        self.clock[0] += 50.0  # a slow close: not the steps' time
+
+
+class _SlowMeter:
+    """A power meter whose start and stop take 100 fake seconds each (NVML's init, the
+    sampler thread's join)."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+
+    def __enter__(self) -> _SlowMeter:
+        self.clock[0] += 100.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.clock[0] += 100.0
+
+
+def test_a_decode_figure_times_the_steps_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 sequences of 11 tokens: the first step gives the first tokens (prefill), then 10 steps
+    # of 2 tokens, one second each: 2 tok/s, whatever the meter's start and stop or the core's
+    # close cost (they had been inside the timed window: e38).
+    clock = [0.0]
+    monkeypatch.setattr(eb.time, "perf_counter", lambda: clock[0])
+    config = ModelConfig.from_dict(preset_config("120b"))
+    rate = eb.decode_tok_s(lambda: _ClockedCore(clock), config, batch=2, context=4,
+                           num_tokens=11, meter=_SlowMeter(clock))  # fmt: skip
+    assert rate == pytest.approx(2.0)

@@ -138,7 +138,10 @@ def decode_tok_s(
     num_tokens: int, meter: PowerMeter | None = None,
 ) -> float:  # fmt: skip
     """Aggregate decode rate once every sequence has its first token (prefill excluded);
-    ``meter`` reads the board's power state over the timed steps."""
+    ``meter`` reads the board's power state over the timed steps. The time is the steps'
+    alone (``Scenario.run``'s): not the meter's start (NVML's init, its sampler thread) and
+    stop (the thread's join, up to a sample's sleep), nor the core's close, which at batch 1
+    (~0.55 s of steps) had been ~2-4% of the figure (bench/RESULTS.md e38)."""
     scenario = Scenario(make_core, config.vocab_size, seed=batch * 7919 + context)
     for index in range(batch):
         scenario.add(f"decode-{index}", context, num_tokens)
@@ -146,12 +149,10 @@ def decode_tok_s(
     # Run the prefills (and the first tokens) first, then time the decode steps alone.
     while len(scenario.first_token_at) < batch:
         scenario.step()
-    decode_start = time.perf_counter()
+    logger.info("batch %d ctx %d: prefill %.2fs", batch, context, time.perf_counter() - started)
     already = sum(scenario.num_tokens.values())
     with meter or contextlib.nullcontext():
-        scenario.run()
-    elapsed = time.perf_counter() - decode_start
-    logger.info("batch %d ctx %d: prefill %.2fs", batch, context, decode_start - started)
+        elapsed = scenario.run()
     return (sum(scenario.num_tokens.values()) - already) / elapsed
 
 
