@@ -140,8 +140,8 @@ def decode_tok_s(
     """Aggregate decode rate once every sequence has its first token (prefill excluded);
     ``meter`` reads the board's power state over the timed steps. The time is the steps'
     alone (``Scenario.run``'s): not the meter's start (NVML's init, its sampler thread) and
-    stop (the thread's join, up to a sample's sleep), nor the core's close, which at batch 1
-    (~0.55 s of steps) had been ~2-4% of the figure (bench/RESULTS.md e38)."""
+    stop (the thread's join, up to a sample's sleep), nor the core's close: 18-22 ms that had
+    cost the batch-1 figure 3.6% (~0.55 s of steps; bench/RESULTS.md e38)."""
     scenario = Scenario(make_core, config.vocab_size, seed=batch * 7919 + context)
     for index in range(batch):
         scenario.add(f"decode-{index}", context, num_tokens)
