@@ -199,7 +199,7 @@ def test_a_decode_figure_times_the_steps_alone(monkeypatch: pytest.MonkeyPatch) 
     # of 2 tokens, one second each: 2 tok/s, whatever the meter's start and stop or the core's
     # close cost (they had been inside the timed window: e38).
     clock = [0.0]
-    monkeypatch.setattr(eb.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(eb, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     config = ModelConfig.from_dict(preset_config("120b"))
     rate = eb.decode_tok_s(lambda: _ClockedCore(clock), config, batch=2, context=4,
                            num_tokens=11, meter=_SlowMeter(clock))  # fmt: skip
