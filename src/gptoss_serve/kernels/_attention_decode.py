@@ -86,7 +86,7 @@ _ONE_SPLIT_WIDE = DecodeTiles(block_n=128, split_min=128, num_warps=4, num_stage
 # 2.76 / 3.26 / 3.74 / 3.91; the whole step at batch 32, 1k: 13.20-13.25 -> 13.12 ms.
 # Up to 16 sequences the split merge runs on 2 warps, not 4 (v27; the whole step, PDL, 1k
 # context: batch 1 / 4 / 8 / 16 2.137-2.138 / 4.160-4.166 / 5.889-5.948 / 9.16-9.24 ->
-# 2.130-2.133 / 4.156 / 5.865-5.915 / 9.100-9.104 ms; batch 1 at 8k even; 24 even).
+# 2.130-2.133 / 4.156 / 5.865-5.915 / 9.100-9.108 ms; batch 1 at 8k even; 24 even).
 _FEW_SEQS = DecodeTiles(
     block_n=128, split_min=128, num_warps=4, num_stages=4, prefetch=True, merge_warps=2
 )
