@@ -11,6 +11,7 @@ does. Under the interpreter (1)-(3) reproduce the kernel exactly: rms_rel ≈ 2.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -157,8 +158,12 @@ def _compiled_sm90(kernel, constexprs: dict, pointers: dict, options: dict):
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    if "LB" in kernel.arg_names:  # the blocks' step rows (mxfp4_layout.py): 1 unless given
-        constexprs = {"LB": 1} | constexprs
+    defaults = {  # constexpr parameters with a default, unless given (LB: the blocks' step rows)
+        param.name: param.default
+        for param in kernel.params
+        if param.is_constexpr and param.default is not inspect.Parameter.empty
+    }
+    constexprs = defaults | constexprs
     scalars = {"alpha": "fp32", "limit": "fp32"}
     signature = {  # in argument order
         name: "constexpr"

@@ -537,6 +537,47 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
+def test_small_batch_down_and_router_let_the_next_kernel_in_at_their_start() -> None:
+    """With PDL the 1-token row's router and down (and the 2-token row's down) call
+    launch_dependents before their wait, so the norm and q/k/v after down load their gains and
+    weights beside its stream; from 3 tokens down and at 2 the router do so after their GEMV
+    (bench/RESULTS.md v28)."""
+    from gptoss_serve.kernels import _moe_decode  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
+    from gptoss_serve.kernels.mxfp4_layout import STEP_ROWS  # noqa: PLC0415
+
+    pointers = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16"}
+    pointers |= {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16"}
+    pointers |= {"logits_ptr": "*fp32", "routing_weights_ptr": "*fp32"}
+    pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8"}
+
+    def trigger_first(ptx: str) -> bool:
+        return ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
+
+    for num_tokens, down_early, router_early in [(1, True, True), (2, True, False),
+                                                 (4, False, False)]:  # fmt: skip
+        tiles = decode_tiles_for(num_tokens)
+        assert (tiles.down_early_dependents, tiles.router_early_dependents) == (
+            down_early, router_early)  # fmt: skip
+        down = dict(N=2880, K=2880, TOP_K=4, BR=tiles.down_rows, SPLIT=tiles.down_split,
+                    NUM_STAGES=tiles.down_stages, PTX=True, PDL=True, INTERPRET=False,
+                    LB=STEP_ROWS, EARLY=tiles.down_early_dependents)  # fmt: skip
+        down |= split_plan(2880, tiles.down_split, tiles.down_unroll)
+        options = dict(num_warps=tiles.down_warps, num_stages=tiles.down_stages)
+        ptx = compile_sm90(_moe_decode._down_kernel, down, pointers, options)
+        assert trigger_first(ptx) == down_early
+        router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts,
+                      BLOCK_K=4096 // num_tokens, TOP_K=4, ROUTE=tiles.route_in_router,
+                      PDL=True, PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
+                      EARLY=tiles.router_early_dependents)  # fmt: skip
+        ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
+        assert trigger_first(ptx) == router_early
+        assert ".local" not in ptx
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 def test_small_batch_gate_up_keeps_its_registers() -> None:
     """The 1- and 3-4-token rows' gate_up with its top-4 in every warp: 80 registers a thread
     at 120b shapes with K in 2 parts, 108-110 in 4 (both rows since v27: twice the words a

@@ -20,8 +20,10 @@ PDL (programmatic dependent launch, optional; kernels/launch.py): each of the th
 (griddepcontrol.wait) before it reads or writes anything, and lets the next kernel launch
 only once its own weight stream is done (griddepcontrol.launch_dependents after the GEMV
 loop): next kernels' programs launched at the start sit beside the stream and slowed the
-T = 1 MoE from 36 to 55 us a layer. (An earlier variant had down prefetch its experts' rows
-into L2 before its wait: 54.8 against 36.4 us a layer at T = 1.)
+T = 1 MoE from 36 to 55 us a layer. The router and down take EARLY (a tile field) where the
+step gained from it: then they let the next kernel in at their start. (An earlier variant had
+down prefetch its experts' rows into L2 before its wait: 54.8 against 36.4 us a layer at
+T = 1.)
 """
 
 # Triton's conventions: UPPER_CASE constexpr parameters, kernels with many positional arguments.
@@ -58,7 +60,7 @@ def _router_kernel(
     routing_weights_ptr, num_tokens, stride_x,
     H: tl.constexpr, E: tl.constexpr, T_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr,
-    PRELOAD: tl.constexpr = False, TILE_ORDER: tl.constexpr = 0,
+    PRELOAD: tl.constexpr = False, TILE_ORDER: tl.constexpr = 0, EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """logits [T, E] fp32 = x @ Wr^T + br for BLOCK_E experts; x_thread [T, H] bf16 for the
     BLOCK_K chunks c with c % num_programs == program (each chunk written once), in thread
@@ -77,6 +79,8 @@ def _router_kernel(
     if ONE_STEP:
         w_first = _router_weights(weight_ptr, experts, tl.arange(0, BLOCK_K), H, E)
     if PDL:  # x comes from the previous kernel
+        if EARLY:
+            gdc_launch_dependents()
         gdc_wait()
     tokens = tl.arange(0, T_PAD)
     token_mask = tokens < num_tokens
@@ -108,7 +112,7 @@ def _router_kernel(
                     _thread_order(x, BLOCK_K),
                     mask=token_mask[:, None] & k_mask[None, :],
                 )
-    if PDL:  # the next kernel's programs may come in now, for this one's tail
+    if PDL and not EARLY:  # the next kernel's programs may come in now, for this one's tail
         gdc_launch_dependents()
     bias = tl.load(bias_ptr + experts, mask=experts < E, other=0.0).to(tl.float32)
     mask = token_mask[:, None] & (experts < E)[None, :]
@@ -269,6 +273,7 @@ def _down_kernel(
     SPLIT: tl.constexpr, SPLIT_GROUPS: tl.constexpr, STEPS: tl.constexpr,
     FULL_STEPS: tl.constexpr, UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr,
     PTX: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr, LB: tl.constexpr = 1,
+    EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """out[token, n0 : n0 + BR] = Σ_e w_e · (h_e @ W_down[e][rows]^T + b_e), bf16 (K = I).
 
@@ -283,6 +288,8 @@ def _down_kernel(
     slots = tl.arange(0, K_PAD)
     slot_mask = slots < TOP_K
     if PDL:
+        if EARLY:  # the next kernels (norm, q/k/v) launch beside this one's stream
+            gdc_launch_dependents()
         gdc_wait()  # h, and the routing
     ids = tl.load(expert_ids_ptr + token * TOP_K + slots, mask=slot_mask, other=0).to(tl.int64)
     weights = tl.load(routing_weights_ptr + token * TOP_K + slots, mask=slot_mask, other=0.0)
@@ -309,7 +316,7 @@ def _down_kernel(
         block_rows, scale_rows, row_groups, t, col_ptrs, col_groups,
         BN, STEPS, FULL_STEPS, UNROLL, NUM_STAGES, PTX, INTERPRET, LB=LB,
     )  # fmt: skip
-    if PDL:  # late: programs waiting beside this kernel's stream slow it (T = 1: 1.5x)
+    if PDL and not EARLY:  # late by default: programs waiting beside this stream slowed it
         gdc_launch_dependents()
     keep = (tl.arange(0, BN) // BR)[:, None] == cols[None, :]  # tile row: its own column
     y = tl.reshape(tl.sum(tl.where(keep, acc, 0.0), axis=1), [K_PAD, SPLIT, BR])

@@ -110,6 +110,11 @@ class DecodeTiles:
     warp_topk: bool = False
     ptx: bool = True  # inline-PTX decode (GPU); False: the portable Triton one
     pdl: bool = False  # programmatic dependent launches (kernels/launch.py); GPU only
+    # With pdl: the per-pair down GEMV / the router lets the next kernel launch at its start
+    # rather than after its weight stream (programs waiting beside a stream can slow it:
+    # gate_up 1.5x at T = 1, v3)
+    down_early_dependents: bool = False
+    router_early_dependents: bool = False
 
     def __post_init__(self) -> None:
         # Triton tiles are powers of two; a GEMV tile is at least one 16-row MMA.
@@ -216,11 +221,18 @@ _PREFILL_COLUMNS = dataclasses.replace(
 # 2.283-2.303 -> 2.248-2.250, batch 3 / 4 3.676-3.686 / 4.195-4.216 -> 3.634-3.636 / 4.148-4.163.
 # At 2 tokens gate_up on 2 stages: 3.118-3.144 -> 3.059-3.075. (4 parts on 3 stages at 1
 # token 2.177-2.179; 2 stages alone 2.214; at 2 tokens 4 parts lost, 3.14-3.32.)
+# Since v28 down lets the next kernels launch at its start at 1-2 tokens (its 360-720
+# programs are all resident, and the norm and q/k/v after it load their gains and weights
+# beside its stream; q/k/v's had waited for down's loop to end), and at 1 token the router
+# too: whole step batch 1 1k 2.133-2.135 -> 2.096-2.103 ms, 8k 2.240-2.246 -> 2.203-2.219,
+# batch 2 3.023-3.030 -> 2.985-2.995. At 3-4 tokens down's early start lost (3.63 -> 3.69,
+# 4.14 -> 4.26), so did the router's at 2 (2.98 -> 3.16) and gate_up's at 1 (2.13 -> 2.52).
 DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     (1, DecodeTiles(gate_up_rows=64, gate_up_split=4, gate_up_warps=4, gate_up_stages=2,
-                    down_warps=4, down_stages=3, route_in_router=False, warp_topk=True)),
+                    down_warps=4, down_stages=3, route_in_router=False, warp_topk=True,
+                    down_early_dependents=True, router_early_dependents=True)),
     (2, DecodeTiles(gate_up_rows=64, gate_up_stages=2, down_rows=16, down_warps=4,
-                    down_stages=3, route_in_router=False)),
+                    down_stages=3, route_in_router=False, down_early_dependents=True)),
     # 3-4 tokens; on an H100 5-8 tokens too (PER_PAIR_MAX_TOKENS_BY_CARD).
     (4, DecodeTiles(gate_up_rows=64, gate_up_split=4, gate_up_warps=4, gate_up_stages=3,
                     down_rows=16, down_warps=4, down_stages=3, route_in_router=False,
@@ -460,7 +472,7 @@ def launch_router(
         num_tokens, x.stride(0), H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens),
         BLOCK_E=block_e, BLOCK_K=block_k, TOP_K=ids.shape[1] if route else 1, ROUTE=route,
         PDL=_pdl(tiles), PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
-        num_warps=4, launch_pdl=_pdl(tiles),
+        EARLY=tiles.router_early_dependents, num_warps=4, launch_pdl=_pdl(tiles),
     )  # fmt: skip
 
 
@@ -558,7 +570,7 @@ def launch_down(
         **split_plan(inter, split, tiles.down_unroll), NUM_STAGES=tiles.down_stages,
         PTX=tiles.ptx and not _interpreting(), PDL=pdl, INTERPRET=_interpreting(),
         LB=weights.step_rows, num_warps=tiles.down_warps, num_stages=tiles.down_stages,
-        launch_pdl=pdl,
+        EARLY=tiles.down_early_dependents, launch_pdl=pdl,
     )  # fmt: skip
 
 
