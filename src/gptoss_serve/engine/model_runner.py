@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gptoss_serve.config import SchedulerConfig
@@ -220,19 +221,30 @@ class ModelRunner:
             if self._mask_buffer is not None and bitmask.is_pinned():
                 self._mask_uploaded = torch.cuda.Event()
                 self._mask_uploaded.record()
-        device = self.device
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        temperature, top_p, seeds, steps = sampling_tensors(sampling, self.device)
         return self.ops.sample_tokens(
-            logits,
-            tensor(sampling.temperature, torch.float32),
-            tensor(sampling.top_p, torch.float32),
-            tensor(sampling.seeds, torch.int64),
-            tensor(sampling.steps, torch.int64),
+            logits, temperature, top_p, seeds, steps,
             nucleus=needs_nucleus(sampling.temperature, sampling.top_p),
-        )
+        )  # fmt: skip
+
+
+def sampling_tensors(
+    sampling: SamplingBatch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_p, seeds, steps) of ``sampling`` on ``device``: float32, float32,
+    int64, int64 [S], in one copy from one pinned buffer (seeds and steps, then temperature
+    and top_p). Four copies from pageable tensors had run between the forward pass and the
+    sampling kernels of every step (3.4 µs of device time at batch 1). The buffer comes from
+    torch's caching host allocator, which reuses it only once the copy that reads it ran."""
+    rows = len(sampling.seeds)
+    host = torch.empty(24 * rows, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    array = host.numpy()
+    array[: 16 * rows].view(np.int64)[:] = [*sampling.seeds, *sampling.steps]
+    array[16 * rows :].view(np.float32)[:] = [*sampling.temperature, *sampling.top_p]
+    packed = host.to(device, non_blocking=True)
+    ints = packed[: 16 * rows].view(torch.int64)
+    floats = packed[16 * rows :].view(torch.float32)
+    return floats[:rows], floats[rows:], ints[:rows], ints[rows:]
 
 
 def _take_previous_tokens(
