@@ -43,6 +43,18 @@ class _Buffer:
         self.device = torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _upload_packed(staging: torch.Tensor, packed: torch.Tensor, source: np.ndarray) -> torch.Tensor:
+    """``source`` (a host array, maybe strided) in the leading elements of ``packed`` (device,
+    1-D), shaped like it: copied contiguous into the leading elements of ``staging`` (pinned,
+    1-D) and sent in one copy."""
+    size = source.size
+    staged = staging[:size].view(source.shape)
+    np.copyto(staged.numpy(), source)
+    out = packed[:size].view(source.shape)
+    out.copy_(staged, non_blocking=True)
+    return out
+
+
 class _Tables:
     """One KV group's block tables, a row per request of the step.
 
@@ -81,12 +93,7 @@ class _Tables:
         """The leading ``rows`` x ``cols`` (rounded up to 16 blocks: the row stride the
         kernels are compiled for stays a multiple of 16) on the device, contiguous."""
         cols = min(-(-cols // 16) * 16, self.width)
-        size = rows * cols
-        staged = self._staging[:size].view(rows, cols)
-        np.copyto(staged.numpy(), self.np[:rows, :cols])
-        packed = self._packed[:size].view(rows, cols)
-        packed.copy_(staged, non_blocking=True)
-        return packed
+        return _upload_packed(self._staging, self._packed, self.np[:rows, :cols])
 
     def none(self) -> torch.Tensor:
         """A device view of no rows (a step without requests of this kind)."""
@@ -123,14 +130,11 @@ class _Fields:
     def upload(self, length: int) -> None:
         """The first ``length`` entries of every field to the device (the rest keep what an
         earlier step left there: a step reads only views of at most ``length`` entries)."""
-        fields, full = self._buffer.host.shape
+        full = self._buffer.host.shape[1]
         if length >= full:
             self._buffer.device.copy_(self._buffer.host, non_blocking=True)
             return
-        staged = self._staging[: fields * length].view(fields, length)
-        np.copyto(staged.numpy(), self._buffer.np[:, :length])
-        packed = self._packed[: fields * length].view(fields, length)
-        packed.copy_(staged, non_blocking=True)
+        packed = _upload_packed(self._staging, self._packed, self._buffer.np[:, :length])
         self._buffer.device[:, :length].copy_(packed, non_blocking=True)
 
 
