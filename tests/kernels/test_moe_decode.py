@@ -490,6 +490,31 @@ def test_gpu_decode_tile_variants(gpu_weights: MoeWeights, variant: int) -> None
 # -- the decode kernels compile for Hopper (Triton's own ptxas; no GPU needed) -----------------
 
 
+# The per-pair kernels' pointer types and constexprs at 120b shapes, as the launches give them.
+SM90_POINTERS = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16",
+                 "x_thread_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16",
+                 "logits_ptr": "*fp32", "routing_weights_ptr": "*fp32",
+                 "blocks_ptr": "*u8", "scales_ptr": "*u8"}  # fmt: skip
+
+
+def _down_constexprs(tiles) -> dict:
+    from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
+
+    down = dict(N=2880, K=2880, TOP_K=4, BR=tiles.down_rows, SPLIT=tiles.down_split,
+                NUM_STAGES=tiles.down_stages, PTX=tiles.ptx, PDL=tiles.pdl, INTERPRET=False,
+                EARLY=tiles.down_early_dependents)  # fmt: skip
+    return down | split_plan(2880, tiles.down_split, tiles.down_unroll)
+
+
+def _router_constexprs(tiles, num_tokens: int) -> dict:
+    """BLOCK_K as launch_router takes it: all of H at one token, 4096 / T columns beyond."""
+    block_k = tiles.router_block_k or max(128, 4096 // num_tokens)
+    return dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts, BLOCK_K=block_k,
+                PDL=tiles.pdl, TOP_K=4, ROUTE=tiles.route_in_router,
+                PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
+                EARLY=tiles.router_early_dependents)  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 @pytest.mark.parametrize("variant", range(len(_decode_variants())))
@@ -501,34 +526,25 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
     from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
 
     tiles = _decode_variants()[variant]
-    pointers = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16"}
-    pointers |= {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16"}
-    pointers |= {"logits_ptr": "*fp32", "routing_weights_ptr": "*fp32"}
-    pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8"}
     common = dict(TOP_K=4, PTX=tiles.ptx, PDL=tiles.pdl, INTERPRET=False)
     gate_up = dict(H=2880, N=5760, E=128, ROUTED=False, BN=tiles.gate_up_rows * tiles.gate_up_split)
     gate_up |= dict(SPLIT=tiles.gate_up_split, NUM_STAGES=tiles.gate_up_stages,
                     WARP_TOPK=tiles.topk_copies)  # fmt: skip
-    down = dict(N=2880, K=2880, BR=tiles.down_rows, SPLIT=tiles.down_split)
-    down |= dict(NUM_STAGES=tiles.down_stages)
     gate_up |= split_plan(2880, tiles.gate_up_split, tiles.gate_up_unroll) | common
-    down |= split_plan(2880, tiles.down_split, tiles.down_unroll) | common
     for kernel, constexprs, warps, stages in [
         (_moe_decode._gate_up_kernel, gate_up, tiles.gate_up_warps, tiles.gate_up_stages),
-        (_moe_decode._down_kernel, down, tiles.down_warps, tiles.down_stages),
+        (_moe_decode._down_kernel, _down_constexprs(tiles), tiles.down_warps, tiles.down_stages),
     ]:
-        ptx = compile_sm90(kernel, constexprs, pointers, dict(num_warps=warps, num_stages=stages))
+        options = dict(num_warps=warps, num_stages=stages)
+        ptx = compile_sm90(kernel, constexprs, SM90_POINTERS, options)
         assert "cp.async" in ptx and "mma.sync" in ptx
         assert ".local" not in ptx
         assert ("mul.rn.bf16x2" in ptx) == tiles.ptx
         assert ("griddepcontrol.wait" in ptx) == tiles.pdl
         assert ("griddepcontrol.launch_dependents" in ptx) == tiles.pdl
-    for num_tokens, block_k in [(1, 4096), (16, 256)]:
-        router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts)
-        router |= dict(BLOCK_K=tiles.router_block_k or block_k, PDL=tiles.pdl)
-        router |= dict(TOP_K=4, ROUTE=tiles.route_in_router, PRELOAD=tiles.router_preload)
-        router |= dict(TILE_ORDER=tiles.order)  # the grouped rows' x in their tile order
-        ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
+    for num_tokens in (1, 16):  # all of H in one step (4096 columns), 256 columns a step
+        router = _router_constexprs(tiles, num_tokens)
+        ptx = compile_sm90(_moe_decode._router_kernel, router, SM90_POINTERS, dict(num_warps=4))
         assert ".local" not in ptx
         if tiles.pdl and tiles.router_preload and num_tokens == 1:  # weights before the wait
             assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
@@ -543,34 +559,23 @@ def test_small_batch_down_and_router_let_the_next_kernel_in_at_their_start() -> 
     weights beside its stream; from 3 tokens down and at 2 the router do so after their GEMV
     (bench/RESULTS.md v28)."""
     from gptoss_serve.kernels import _moe_decode  # noqa: PLC0415
-    from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_small import decode_tiles_for  # noqa: PLC0415
     from gptoss_serve.kernels.mxfp4_layout import STEP_ROWS  # noqa: PLC0415
-
-    pointers = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16"}
-    pointers |= {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16"}
-    pointers |= {"logits_ptr": "*fp32", "routing_weights_ptr": "*fp32"}
-    pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8"}
 
     def trigger_first(ptx: str) -> bool:
         return ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
 
     for num_tokens, down_early, router_early in [(1, True, True), (2, True, False),
                                                  (4, False, False)]:  # fmt: skip
-        tiles = decode_tiles_for(num_tokens)
+        tiles = dataclasses.replace(decode_tiles_for(num_tokens), pdl=True)
         assert (tiles.down_early_dependents, tiles.router_early_dependents) == (
             down_early, router_early)  # fmt: skip
-        down = dict(N=2880, K=2880, TOP_K=4, BR=tiles.down_rows, SPLIT=tiles.down_split,
-                    NUM_STAGES=tiles.down_stages, PTX=True, PDL=True, INTERPRET=False,
-                    LB=STEP_ROWS, EARLY=tiles.down_early_dependents)  # fmt: skip
-        down |= split_plan(2880, tiles.down_split, tiles.down_unroll)
+        down = _down_constexprs(tiles) | dict(LB=STEP_ROWS)
         options = dict(num_warps=tiles.down_warps, num_stages=tiles.down_stages)
-        ptx = compile_sm90(_moe_decode._down_kernel, down, pointers, options)
+        ptx = compile_sm90(_moe_decode._down_kernel, down, SM90_POINTERS, options)
         assert trigger_first(ptx) == down_early
-        router = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts,
-                      BLOCK_K=4096 // num_tokens, TOP_K=4, ROUTE=tiles.route_in_router,
-                      PDL=True, PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
-                      EARLY=tiles.router_early_dependents)  # fmt: skip
-        ptx = compile_sm90(_moe_decode._router_kernel, router, pointers, dict(num_warps=4))
+        router = _router_constexprs(tiles, num_tokens)
+        ptx = compile_sm90(_moe_decode._router_kernel, router, SM90_POINTERS, dict(num_warps=4))
         assert trigger_first(ptx) == router_early
         assert ".local" not in ptx
 
