@@ -507,8 +507,10 @@ def _down_constexprs(tiles) -> dict:
 
 
 def _router_constexprs(tiles, num_tokens: int) -> dict:
-    """BLOCK_K as launch_router takes it: all of H at one token, 4096 / T columns beyond."""
-    block_k = tiles.router_block_k or max(128, 4096 // num_tokens)
+    """BLOCK_K as launch_router takes it (all of H up to 4 tokens, 16384 / T columns beyond)."""
+    from gptoss_serve.kernels._moe_small import router_block_k  # noqa: PLC0415
+
+    block_k = router_block_k(tiles, num_tokens, 2880)
     return dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts, BLOCK_K=block_k,
                 PDL=tiles.pdl, TOP_K=4, ROUTE=tiles.route_in_router,
                 PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
@@ -542,11 +544,12 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
         assert ("mul.rn.bf16x2" in ptx) == tiles.ptx
         assert ("griddepcontrol.wait" in ptx) == tiles.pdl
         assert ("griddepcontrol.launch_dependents" in ptx) == tiles.pdl
-    for num_tokens in (1, 16):  # all of H in one step (4096 columns), 256 columns a step
+    for num_tokens in (1, 4, 16):  # all of H in one step (4096 columns), 1024 columns a step
         router = _router_constexprs(tiles, num_tokens)
+        assert (router["BLOCK_K"] >= 2880) == (num_tokens <= 4)
         ptx = compile_sm90(_moe_decode._router_kernel, router, SM90_POINTERS, dict(num_warps=4))
         assert ".local" not in ptx
-        if tiles.pdl and tiles.router_preload and num_tokens == 1:  # weights before the wait
+        if tiles.pdl and tiles.router_preload and num_tokens <= 4:  # weights before the wait
             assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
 
 

@@ -48,6 +48,14 @@ DECODE_MAX_TOKENS = 8192
 # (_moe_router_split.py) writes the routing and x in thread or tile order.
 ROUTER_MAX_TOKENS = 16
 ROUTER_SPLIT_K = 192  # columns of H per router program (2880 = 15 parts)
+# The decode router's x tile a step, T_PAD x BLOCK_K values (DecodeTiles.router_block_k): its
+# latency is its chain of loads, so it takes H in as few steps as this allows (one step, its
+# weights loaded before the PDL wait, up to 4 tokens). 16k since v29, 4k before (one step only
+# at 1 token, 1024 columns at 3-4 tokens, 256 at 9-16): the whole 120b step (bench/step_tiles.py,
+# H200, PDL, 1k context), ms, 4k / 16k: batch 2 2.990-3.002 / 2.948-2.955 (8k context 3.151-3.156
+# / 3.112-3.115), 3 3.625-3.642 / 3.576-3.579, 4 4.148-4.154 / 4.095-4.108, 8 5.864-5.900 /
+# 5.756, 16 9.040-9.065 / 8.739 (at 16 tokens 2048 columns 8.847, at 8 tokens 4096 5.764).
+ROUTER_X_VALUES = 16384
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,9 @@ class DecodeTiles:
     # (bench/step_tiles.py, H200) at batch 32 17.92-17.97 -> 17.85 ms, at batch 64 24.29-24.32
     # -> 24.23 ms (2 or 1 tokens: about as fast, other bits).
     router_finish_tokens: int = 4
-    router_block_k: int | None = None  # None: all of H in one step at T = 1, less as T grows
+    # The router's columns of H a step; None: ROUTER_X_VALUES // T_PAD (all of H in one step
+    # up to 4 tokens, 2048 columns at 5-8, 1024 at 9-16)
+    router_block_k: int | None = None
     # When the router takes all of H in one step: its weights are loaded before the PDL wait
     router_preload: bool = True
     # Past ROUTER_MAX_TOKENS (the K-split router): columns of H and tokens per program.
@@ -315,6 +325,14 @@ PER_PAIR_MAX_TOKENS_BY_CARD: tuple[tuple[str, int], ...] = (("H100", 8),)
 
 
 @functools.cache
+def router_block_k(tiles: DecodeTiles, num_tokens: int, hidden: int) -> int:
+    """The decode router's columns of H a step (``tiles.router_block_k``, or ROUTER_X_VALUES
+    over the tokens' power of two, at most H's)."""
+    return tiles.router_block_k or max(
+        128, min(_pow2(hidden), ROUTER_X_VALUES // _pow2(num_tokens))
+    )
+
+
 def _card_name(device_index: int | None) -> str:
     return torch.cuda.get_device_name(device_index)
 
@@ -464,8 +482,7 @@ def launch_router(
     if route and counter is None:
         counter = torch.zeros(1, dtype=torch.int32, device=x.device)
     block_e = tiles.router_experts
-    # The router's latency is its chain of loads: one step when x fits in registers.
-    block_k = tiles.router_block_k or max(128, min(_pow2(hidden), 4096 // _pow2(num_tokens)))
+    block_k = router_block_k(tiles, num_tokens, hidden)
     launcher(decode._router_kernel)[(triton.cdiv(weights.num_experts, block_e),)](
         x, weights.router_weight, weights.router_bias, logits, x_thread,
         counter if route else logits, ids if route else logits, gates if route else logits,
