@@ -11,7 +11,8 @@ of the table's tiles.
 
 A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
 fields of the table row that serves ``--batch`` tokens on this card (``decode_tiles_for``; ints,
-``None``, ``True``/``False``);
+``None``, ``True``/``False``), and ``router_max_tokens`` replaces ``_moe_small.ROUTER_MAX_TOKENS``
+(the most tokens the one-launch decode router takes, past which the K-split router does);
 with ``--target attention``, of the ``_attention_decode.GPU_TILES`` row serving the batch;
 with ``--target dense``, ``gemv_max_tokens`` replaces ``linear.GEMV_MAX_TOKENS`` (the largest
 batch whose projections take the Triton GEMV), ``mma_max_tokens`` ``linear.MMA_MAX_TOKENS``
@@ -109,6 +110,7 @@ def apply(target: str, batch: int, fields: dict) -> None:
                              f"gemv_pair_<field>, gemv_tall_<field> (GemvTiles'); "
                              f"got {fields}")  # fmt: skip
     else:
+        small.ROUTER_MAX_TOKENS = fields.pop("router_max_tokens", DEFAULTS["router_max"])
         # the row this card serves ``batch`` tokens with (_moe_small.PER_PAIR_MAX_TOKENS_BY_CARD),
         # varied, as a row of its own for ``batch`` ahead of the table's, the card's rule off
         row = dataclasses.replace(small.decode_tiles_for(batch, torch.device("cuda")), **fields)
@@ -128,6 +130,7 @@ def prefixed(fields: dict, prefix: str) -> dict:
 def restore() -> None:
     attention.GPU_TILES, small.DECODE_TILES = DEFAULTS["attention"], DEFAULTS["moe"]
     small.PER_PAIR_MAX_TOKENS_BY_CARD = DEFAULTS["per_pair"]
+    small.ROUTER_MAX_TOKENS = DEFAULTS["router_max"]
     linear.GEMV_MAX_TOKENS, linear.MMA_MAX_TOKENS = DEFAULTS["dense"], DEFAULTS["mma"]
     linear.MMA_TILES, rope.QKV_MMA_TILES = DEFAULTS["mma_tiles"], DEFAULTS["qkv_tiles"]
     rope.QKV_MMA_MAX_TOKENS = DEFAULTS["qkv_max"]
@@ -145,6 +148,7 @@ DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
             "mma_tiles": linear.MMA_TILES, "qkv_tiles": rope.QKV_MMA_TILES,
             "qkv_max": rope.QKV_MMA_MAX_TOKENS,
             "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD, "norm": norm.WIDE_ROW_WARPS,
+            "router_max": small.ROUTER_MAX_TOKENS,
             **{attr: getattr(linear, attr) for _, attr in GEMV_ROWS}}  # fmt: skip
 
 
