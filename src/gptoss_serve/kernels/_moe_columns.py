@@ -104,6 +104,17 @@ def _group_kernel(
     if PDL:  # the routing comes from the previous kernel
         gdc_wait()
         gdc_launch_dependents()
+    _group_pairs(expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_valid, g_max, COLS,
+                 P_PAD, E_PAD, FILL)  # fmt: skip
+
+
+@triton.jit
+def _group_pairs(
+    expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_valid, g_max, COLS: tl.constexpr,
+    P_PAD: tl.constexpr, E_PAD: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    """``_group_kernel``'s work in one program, on the first ``num_valid`` pairs' expert ids:
+    also the decode router's last program's, right after it wrote them (_moe_decode)."""
     f0 = tl.program_id(0) * 0  # a runtime bound: a while loop (the interpreter's range needs ints)
     while f0 < g_max * COLS:
         fill = f0 + tl.arange(0, FILL)

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from gptoss_serve.kernels._moe_columns import _tile_order_step
-from gptoss_serve.kernels._moe_common import _to_bf16
+from gptoss_serve.kernels._moe_columns import _group_pairs, _tile_order_step
+from gptoss_serve.kernels._moe_common import _num_valid, _to_bf16
 from gptoss_serve.kernels._moe_gemv import (
     ACC_SCALE,
     _mxfp4_gemv,
@@ -58,9 +58,11 @@ def _thread_order(x, BK: tl.constexpr):
 def _router_kernel(
     x_ptr, weight_ptr, bias_ptr, logits_ptr, x_thread_ptr, counter_ptr, expert_ids_ptr,
     routing_weights_ptr, num_tokens, stride_x,
+    valid_rows_ptr, group_expert_ptr, group_pairs_ptr, g_max,
     H: tl.constexpr, E: tl.constexpr, T_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr,
     PRELOAD: tl.constexpr = False, TILE_ORDER: tl.constexpr = 0, EARLY: tl.constexpr = False,
+    GROUP_COLS: tl.constexpr = 0, GROUP_FILL: tl.constexpr = 1,
 ):  # fmt: skip
     """logits [T, E] fp32 = x @ Wr^T + br for BLOCK_E experts; x_thread [T, H] bf16 for the
     BLOCK_K chunks c with c % num_programs == program (each chunk written once), in thread
@@ -70,6 +72,10 @@ def _router_kernel(
     ROUTE: the last program to finish (a ticket from ``counter_ptr``) also writes every
     token's top-k expert ids [T, k] int32 and routing weights [T, k] fp32, once, so that the
     GEMV programs just load them, then re-arms the counter to 0 for the next launch.
+    GROUP_COLS (> 0, with ROUTE): that program also groups the pairs by expert in groups of
+    GROUP_COLS for the grouped columns (_moe_columns._group_pairs into ``group_expert_ptr`` /
+    ``group_pairs_ptr``, ``g_max`` groups; the pairs of tokens at or past ``valid_rows[0]``
+    in none), which then need no grouping launch of their own.
     PRELOAD (one step, BLOCK_K ≥ H): the weights are loaded before the PDL wait, so that
     after it only x's load (from L2) stands between the norm before and the logits."""
     pid = tl.program_id(0)
@@ -120,7 +126,8 @@ def _router_kernel(
     if ROUTE:
         _route_when_last(
             logits_ptr, counter_ptr, expert_ids_ptr, routing_weights_ptr, tokens, token_mask,
-            E, TOP_K,
+            valid_rows_ptr, group_expert_ptr, group_pairs_ptr, num_tokens, g_max,
+            E, TOP_K, GROUP_COLS, GROUP_FILL,
         )  # fmt: skip
 
 
@@ -137,13 +144,16 @@ def _router_weights(weight_ptr, experts, ks, H: tl.constexpr, E: tl.constexpr):
 @triton.jit
 def _route_when_last(
     logits_ptr, counter_ptr, expert_ids_ptr, routing_weights_ptr, tokens, token_mask,
-    E: tl.constexpr, TOP_K: tl.constexpr,
+    valid_rows_ptr, group_expert_ptr, group_pairs_ptr, num_tokens, g_max,
+    E: tl.constexpr, TOP_K: tl.constexpr, GROUP_COLS: tl.constexpr, GROUP_FILL: tl.constexpr,
 ):  # fmt: skip
-    """The last router program: top-k + softmax of every token from all the logits."""
+    """The last router program: top-k + softmax of every token from all the logits, and with
+    GROUP_COLS the pairs' groups (``_router_kernel``)."""
     # The barrier orders the whole program's logit stores before the (release) ticket; the
     # last ticket's acquire makes every program's stores visible, read through L2 (.cg).
     E_PAD: tl.constexpr = triton.next_power_of_2(E)
     K_PAD: tl.constexpr = triton.next_power_of_2(TOP_K)
+    P_PAD: tl.constexpr = triton.next_power_of_2(tokens.shape[0] * TOP_K)  # the pairs, padded
     tl.debug_barrier()
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:
@@ -157,6 +167,11 @@ def _route_when_last(
         _write_routing(
             expert_ids_ptr, routing_weights_ptr, logits, tokens, token_mask, TOP_K, K_PAD
         )
+        if GROUP_COLS > 0:  # the ids just stored, read back by other threads of this program
+            tl.debug_barrier()
+            num_valid = _num_valid(valid_rows_ptr, num_tokens * TOP_K, TOP_K)
+            _group_pairs(expert_ids_ptr, group_expert_ptr, group_pairs_ptr, num_valid, g_max,
+                         GROUP_COLS, P_PAD, E_PAD, GROUP_FILL)  # fmt: skip
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
 
 

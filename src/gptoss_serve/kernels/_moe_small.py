@@ -92,6 +92,9 @@ class DecodeTiles:
     # The routing from the router's last program (once) rather than a top-4 in every gate_up
     # program: that tail costs the router ~2 us, which the GEMVs win back from T ~ 8 on.
     route_in_router: bool = True
+    # group_columns with the one-launch router (up to ROUTER_MAX_TOKENS): its last program,
+    # having written the routing, also groups the pairs by expert (no grouping launch)
+    group_in_router: bool = False
     # Pairs grouped by expert (_moe_columns.py): each expert's rows decoded once for up to 8
     # pairs (the MMA's columns). The GEMV tiles are then gate_up_rows / down_rows rows (split
     # 1), with the same warps and stages; the routing must come from the router.
@@ -261,9 +264,12 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
     # order, lose 2-9%). Since v14 in the wgmma tile order on mma.sync (kWidth 2:
     # _moe_gemv._weight_tile), once the unused MMA columns were no longer read: 32 / 64 tokens +1-2%
     # (kernels.py, alternating; before that change it moved nothing, v13).
+    # Since v29 the router's last program groups the pairs at 5-16 tokens (group_in_router: no
+    # grouping launch; whole step, H200, PDL, ms, apart / in the router: batch 5 4.543-4.552 /
+    # 4.521-4.528, 8 5.693-5.698 / 5.687-5.691, 16 8.556-8.567 / 8.542-8.544).
     (128, dataclasses.replace(
         _COLUMNS, tile_order=True, scale_words=True, gate_up_stages=3, down_stages=3,
-        wgmma_order=True,
+        wgmma_order=True, group_in_router=True,
     )),
     # Past 128 tokens, wgmma: 128-row tiles of 4 warps in the wgmma tile order
     # (_moe_gemv.ORDER_WGMMA: the decoded weights are wgmma's register operand as they are),
@@ -414,6 +420,7 @@ def mxfp4_moe_decode(
     x = x.contiguous()
     num_tokens, hidden = x.shape
     device = x.device
+    groups = None  # the grouped columns' groups, where the router writes them
     if expert_ids is not None:
         top_k = expert_ids.shape[1]
         ids = expert_ids.to(torch.int32).contiguous()
@@ -431,9 +438,12 @@ def mxfp4_moe_decode(
         # The router's last program writes the routing once, or gate_up computes it from the
         # logits (and writes it for down). Past ROUTER_MAX_TOKENS the K-split router does.
         routed_here = routes_in_router(tiles) or num_tokens > ROUTER_MAX_TOKENS
+        if groups_in_router(tiles, num_tokens):
+            groups = group_buffers(num_tokens * top_k, weights.num_experts, tiles, device)
         launch_router(
-            x, weights, logits, x_thread, tiles, ids=ids if routed_here else None, gates=gates
-        )
+            x, weights, logits, x_thread, tiles, ids=ids if routed_here else None, gates=gates,
+            groups=groups, valid_rows=valid_rows,
+        )  # fmt: skip
         if num_tokens > ROUTER_MAX_TOKENS:
             logits = None  # not computed
     inter_width = row_width(weights.intermediate_size, tiles.tile_order)
@@ -443,7 +453,7 @@ def mxfp4_moe_decode(
     if tiles.group_columns:
         launch_columns(
             weights, x_thread, ids, gates, h=h, out=out, tiles=tiles, alpha=alpha, limit=limit,
-            poison=poison, valid_rows=valid_rows,
+            poison=poison, valid_rows=valid_rows, groups=groups,
         )  # fmt: skip
         return DecodeResult(out, ids, gates, logits)
     gemv_logits = None if routed_here else logits  # None: the GEMVs read ids/gates
@@ -463,13 +473,19 @@ def launch_router(
     *,
     ids: torch.Tensor | None = None,
     gates: torch.Tensor | None = None,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    valid_rows: torch.Tensor | None = None,
 ) -> None:
     """x [T, H] -> logits [T, E] fp32 and x_thread: [T, H] in thread order, or with
     ``tiles.tile_order`` [T, 128·ceil(H / 128)] in ``tiles.order``; with ``ids`` and ``gates``
-    [T, k] given, also the top-k routing into them. Past ROUTER_MAX_TOKENS tokens: the
-    routing (``ids`` required) and x_thread only, through the K-split router."""
+    [T, k] given, also the top-k routing into them, and with ``groups`` (``group_buffers``,
+    ``groups_in_router``) the pairs' groups by expert, as ``group`` writes them (the pairs of
+    rows from ``valid_rows[0]`` on in none). Past ROUTER_MAX_TOKENS tokens: the routing
+    (``ids`` required) and x_thread only, through the K-split router."""
     num_tokens, hidden = x.shape
     route = ids is not None
+    if groups is not None and not (route and groups_in_router(tiles, num_tokens)):
+        raise ValueError("the router groups the pairs only where it routes (groups_in_router)")
     if num_tokens > ROUTER_MAX_TOKENS:
         if not route:
             raise ValueError(f"past {ROUTER_MAX_TOKENS} tokens the router must write the routing")
@@ -483,13 +499,19 @@ def launch_router(
         counter = torch.zeros(1, dtype=torch.int32, device=x.device)
     block_e = tiles.router_experts
     block_k = router_block_k(tiles, num_tokens, hidden)
+    group_expert, group_pairs = groups or (logits, logits)  # without groups: never read
+    grouping = {}
+    if groups is not None:
+        fill = _group_fill(ids.numel(), weights.num_experts, tiles)
+        grouping = dict(GROUP_COLS=tiles.group_size, GROUP_FILL=fill)
     launcher(decode._router_kernel)[(triton.cdiv(weights.num_experts, block_e),)](
         x, weights.router_weight, weights.router_bias, logits, x_thread,
         counter if route else logits, ids if route else logits, gates if route else logits,
-        num_tokens, x.stride(0), H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens),
-        BLOCK_E=block_e, BLOCK_K=block_k, TOP_K=ids.shape[1] if route else 1, ROUTE=route,
-        PDL=_pdl(tiles), PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
-        EARLY=tiles.router_early_dependents, num_warps=4, launch_pdl=_pdl(tiles),
+        num_tokens, x.stride(0), valid_rows, group_expert, group_pairs, group_expert.shape[0],
+        H=hidden, E=weights.num_experts, T_PAD=_pow2(num_tokens), BLOCK_E=block_e,
+        BLOCK_K=block_k, TOP_K=ids.shape[1] if route else 1, ROUTE=route, PDL=_pdl(tiles),
+        PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
+        EARLY=tiles.router_early_dependents, num_warps=4, launch_pdl=_pdl(tiles), **grouping,
     )  # fmt: skip
 
 
@@ -604,20 +626,22 @@ def launch_columns(
     limit: float = 7.0,
     poison: bool = False,
     valid_rows: torch.Tensor | None = None,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out [T, H] from x_thread and the routing ``ids``/``gates`` [T, k], the pairs grouped by
-    expert (_moe_columns.py): group, gate_up, down into per-pair rows, the sum over each
-    token's pairs. Four launches, a fixed grid, no host sync. With ``tiles.tile_order``
-    x_thread is x in tile order (``tile_order``) and ``h`` [T·k, 128·ceil(I / 128)] receives
-    h in it. ``valid_rows`` (int32 [1], None: all): the tokens from ``valid_rows[0]`` on are
-    left out of the groups (no expert work) and their rows of ``out`` are zeros."""
+    expert (_moe_columns.py): group (unless ``groups`` holds the router's), gate_up, down into
+    per-pair rows, the sum over each token's pairs. Four launches, a fixed grid, no host sync.
+    With ``tiles.tile_order`` x_thread is x in tile order (``tile_order``) and ``h`` [T·k,
+    128·ceil(I / 128)] receives h in it. ``valid_rows`` (int32 [1], None: all): the tokens
+    from ``valid_rows[0]`` on are left out of the groups (no expert work) and their rows of
+    ``out`` are zeros."""
     num_tokens, hidden = out.shape
     top_k, inter = ids.shape[1], weights.intermediate_size
     num_pairs = num_tokens * top_k
     pdl = _pdl(tiles)
     device = x_thread.device
     cols = tiles.group_size
-    group_expert, group_pairs = group(ids, weights.num_experts, tiles, valid_rows)
+    group_expert, group_pairs = groups or group(ids, weights.num_experts, tiles, valid_rows)
     g_max = group_expert.shape[0]
     _check_rows("x_thread", x_thread, hidden, tiles.tile_order)
     _check_rows("h", h, inter, tiles.tile_order)
@@ -659,23 +683,48 @@ def group(
     of one expert: (group_expert [G_MAX], group_pairs [G_MAX, size]), -1 where unused; the
     pairs of tokens from ``valid_rows[0]`` on (int32 [1]; None: none) in no group."""
     num_pairs, cols = ids.numel(), tiles.group_size
-    g_max = columns.max_groups(num_pairs, num_experts, cols)
-    group_expert = torch.empty(g_max, dtype=torch.int32, device=ids.device)
-    group_pairs = torch.empty(g_max, cols, dtype=torch.int32, device=ids.device)
+    group_expert, group_pairs = group_buffers(num_pairs, num_experts, tiles, ids.device)
+    g_max = group_expert.shape[0]
     if num_pairs > columns.SORT_MAX_PAIRS:
         _group_by_table(ids, num_experts, group_expert, group_pairs, valid_rows)
         return group_expert, group_pairs
     pdl = _pdl(tiles)
-    p_pad = _pow2(num_pairs)
-    # Constexprs by powers of two only (FILL from the bound of P_PAD pairs): a value that
-    # follows the token count compiles the kernel anew for each one (engine/compile_watch.py).
-    fill = min(_GROUP_FILL, _pow2(columns.max_groups(p_pad, num_experts, cols) * cols))
     launcher(columns._group_kernel)[(1,)](
-        ids, group_expert, group_pairs, num_pairs, valid_rows, g_max, COLS=cols, P_PAD=p_pad,
-        E_PAD=_pow2(num_experts), FILL=fill, PDL=pdl, TOP_K=ids.shape[1], num_warps=8,
-        launch_pdl=pdl,
+        ids, group_expert, group_pairs, num_pairs, valid_rows, g_max, COLS=cols,
+        P_PAD=_pow2(num_pairs), E_PAD=_pow2(num_experts),
+        FILL=_group_fill(num_pairs, num_experts, tiles), PDL=pdl, TOP_K=ids.shape[1],
+        num_warps=8, launch_pdl=pdl,
     )  # fmt: skip
     return group_expert, group_pairs
+
+
+def groups_in_router(tiles: DecodeTiles, num_tokens: int) -> bool:
+    """Whether the decode router's last program groups the pairs for the grouped columns
+    (``tiles.group_in_router``, where the one-launch router routes)."""
+    return (
+        tiles.group_columns
+        and tiles.group_in_router
+        and routes_in_router(tiles)
+        and num_tokens <= ROUTER_MAX_TOKENS
+    )
+
+
+def group_buffers(
+    num_pairs: int, num_experts: int, tiles: DecodeTiles, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group_expert [G_MAX], group_pairs [G_MAX, tiles.group_size]) int32, unwritten, for
+    ``num_pairs`` pairs (G_MAX: ``_moe_columns.max_groups``)."""
+    g_max = columns.max_groups(num_pairs, num_experts, tiles.group_size)
+    group_expert = torch.empty(g_max, dtype=torch.int32, device=device)
+    return group_expert, torch.empty(g_max, tiles.group_size, dtype=torch.int32, device=device)
+
+
+def _group_fill(num_pairs: int, num_experts: int, tiles: DecodeTiles) -> int:
+    """Table entries the grouping clears a step. Constexprs by powers of two only (from the
+    bound of the padded pairs): a value that follows the token count compiles the kernel anew
+    for each one (engine/compile_watch.py)."""
+    bound = columns.max_groups(_pow2(num_pairs), num_experts, tiles.group_size)
+    return min(_GROUP_FILL, _pow2(bound * tiles.group_size))
 
 
 def launch_block_table(
