@@ -13,7 +13,8 @@ router's ticket, and the routing does not depend on which program draws the last
 slot) pair streams its own expert's rows, so a token count whose pairs share experts reads those
 rows more than once from L2 (not from HBM: the programs of one row tile run together, pairs
 fastest). From 5 tokens (9 on an H100) the pairs are grouped by expert (_moe_columns.py,
-``launch_columns``: 5 launches, 6 from 17 tokens with the K-split router; past 4096 pairs the
+``launch_columns``: 5 launches, 4 up to 16 tokens where the router's last program also groups the
+pairs (``group_in_router``), 6 from 17 tokens with the K-split router; past 4096 pairs the
 grouping is the prefill one's count / block table / scatter, whose atomics may deal an expert's
 pairs to its groups in another order, which changes no value: each pair is its own MMA column); past
 DECODE_MAX_TOKENS the grouped GEMMs of _moe_triton.py take over.
