@@ -587,11 +587,12 @@ def test_small_batch_down_and_router_let_the_next_kernel_in_at_their_start() -> 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.skipif(INTERPRETING, reason="compiles for the GPU, not the interpreter")
 def test_small_batch_gate_up_keeps_its_registers() -> None:
-    """The 1- and 3-4-token rows' gate_up with its top-4 in every warp: 80 registers a thread
-    at 120b shapes with K in 2 parts, 108-110 in 4 (both rows since v27: twice the words a
-    thread a step), against 168 when the top-4's reductions crossed warps (bench/RESULTS.md
-    v16): 4-warp programs fit 4 an SM, where the 360 programs need 2.7. (5-8 tokens take the
-    grouped columns on the H200 since e30, which this test's 8 tokens then met.)"""
+    """The 1-token row's gate_up with its top-4 in every warp: 80 registers a thread at 120b
+    shapes with K in 2 parts, 108-110 in 4 (since v27: twice the words a thread a step),
+    against 168 when the top-4's reductions crossed warps (bench/RESULTS.md v16): 4-warp
+    programs fit 4 an SM, where the 360 programs need 2.7. The 3-4-token row (its routing from
+    the router since v29) stays under the same bound. (5-8 tokens take the grouped columns on
+    the H200 since e30, which this test's 8 tokens then met.)"""
     from gptoss_serve.kernels import _moe_decode  # noqa: PLC0415
     from gptoss_serve.kernels._moe_small import decode_tiles_for, split_plan  # noqa: PLC0415
     from gptoss_serve.kernels.mxfp4_layout import STEP_ROWS  # noqa: PLC0415
@@ -599,10 +600,11 @@ def test_small_batch_gate_up_keeps_its_registers() -> None:
     pointers = {"x_thread_ptr": "*bf16", "h_ptr": "*bf16", "bias_ptr": "*bf16"}
     pointers |= {"logits_ptr": "*fp32", "routing_weights_ptr": "*fp32"}
     pointers |= {"blocks_ptr": "*u8", "scales_ptr": "*u8"}
-    for num_tokens in (1, 3):
+    for num_tokens, routed in ((1, False), (3, True)):
         tiles = decode_tiles_for(num_tokens)
-        assert tiles.warp_topk and not tiles.group_columns
-        constexprs = dict(H=2880, N=5760, E=128, TOP_K=4, ROUTED=False, PTX=True, PDL=True,
+        assert tiles.warp_topk != routed and tiles.route_in_router == routed
+        assert not tiles.group_columns
+        constexprs = dict(H=2880, N=5760, E=128, TOP_K=4, ROUTED=routed, PTX=True, PDL=True,
                           INTERPRET=False, LB=STEP_ROWS, WARP_TOPK=tiles.topk_copies,
                           BN=tiles.gate_up_rows * tiles.gate_up_split, SPLIT=tiles.gate_up_split,
                           NUM_STAGES=tiles.gate_up_stages)  # fmt: skip

@@ -247,10 +247,13 @@ DECODE_TILES: tuple[tuple[int, DecodeTiles], ...] = (
                     down_early_dependents=True, router_early_dependents=True)),
     (2, DecodeTiles(gate_up_rows=64, gate_up_stages=2, down_rows=16, down_warps=4,
                     down_stages=3, route_in_router=False, down_early_dependents=True)),
-    # 3-4 tokens; on an H100 5-8 tokens too (PER_PAIR_MAX_TOKENS_BY_CARD).
+    # 3-4 tokens; on an H100 5-8 tokens too (PER_PAIR_MAX_TOKENS_BY_CARD). Since v29 the
+    # routing from the router's last program (its one step since e084d5e), not a top-4 in
+    # every gate_up warp: H200, whole step, ms, batch 3 3.568-3.576 -> 3.541 / 3.545, 4
+    # 4.106-4.126 -> 4.061 / 4.069 (at 1 and 2 tokens it lost: 2.114-2.121 -> 2.171, 2.945-
+    # 2.963 -> 3.201 / 3.207). Not measured on an H100.
     (4, DecodeTiles(gate_up_rows=64, gate_up_split=4, gate_up_warps=4, gate_up_stages=3,
-                    down_rows=16, down_warps=4, down_stages=3, route_in_router=False,
-                    warp_topk=True)),
+                    down_rows=16, down_warps=4, down_stages=3)),
     # From 5 tokens (9 on an H100) the pairs grouped by expert (_moe_columns.py). From 17 tokens
     # since v5: gate_up + down at 32 tokens 563 -> 484 us, at 64 tokens 1,080 -> 682 us (H200). From
     # 5 since v14, once a group's unused MMA columns were no longer read: the whole 120b step
@@ -331,7 +334,6 @@ def routes_in_router(tiles: DecodeTiles) -> bool:
 PER_PAIR_MAX_TOKENS_BY_CARD: tuple[tuple[str, int], ...] = (("H100", 8),)
 
 
-@functools.cache
 def router_block_k(tiles: DecodeTiles, num_tokens: int, hidden: int) -> int:
     """The decode router's columns of H a step (``tiles.router_block_k``, or ROUTER_X_VALUES
     over the tokens' power of two, at most H's)."""
@@ -340,6 +342,7 @@ def router_block_k(tiles: DecodeTiles, num_tokens: int, hidden: int) -> int:
     )
 
 
+@functools.cache
 def _card_name(device_index: int | None) -> str:
     return torch.cuda.get_device_name(device_index)
 
