@@ -9,9 +9,9 @@ of the table's tiles.
     python bench/step_tiles.py --target norm --variants wide_row_warps=4 ...
     python bench/step_tiles.py --variants norm:wide_row_warps=4 attention:merge_warps=2 ...
 
-A variant is comma-separated ``field=value`` pairs of ``_moe_small.DecodeTiles`` replacing the
+A variant is comma-separated ``field=value`` pairs of ``_moe_tiles.DecodeTiles`` replacing the
 fields of the table row that serves ``--batch`` tokens on this card (``decode_tiles_for``; ints,
-``None``, ``True``/``False``), and ``router_max_tokens`` replaces ``_moe_small.ROUTER_MAX_TOKENS``
+``None``, ``True``/``False``), and ``router_max_tokens`` replaces ``_moe_tiles.ROUTER_MAX_TOKENS``
 (the most tokens the one-launch decode router takes, past which the K-split router does);
 with ``--target attention``, of the ``_attention_decode.GPU_TILES`` row serving the batch;
 with ``--target dense``, ``gemv_max_tokens`` replaces ``linear.GEMV_MAX_TOKENS`` (the largest
@@ -48,7 +48,7 @@ from gpu_model import DecodeStep
 from gptoss_serve.checkpoint.presets import preset_config
 from gptoss_serve.config import ModelConfig
 from gptoss_serve.kernels import _attention_decode as attention
-from gptoss_serve.kernels import _moe_small as small
+from gptoss_serve.kernels import _moe_tiles as moe_tiles
 from gptoss_serve.kernels import _norm as norm
 from gptoss_serve.kernels import linear, rope
 from kernels import graph_time_ms, write_results
@@ -110,15 +110,15 @@ def apply(target: str, batch: int, fields: dict) -> None:
                              f"gemv_pair_<field>, gemv_tall_<field> (GemvTiles'); "
                              f"got {fields}")  # fmt: skip
     else:
-        small.ROUTER_MAX_TOKENS = fields.pop("router_max_tokens", DEFAULTS["router_max"])
-        # the row this card serves ``batch`` tokens with (_moe_small.PER_PAIR_MAX_TOKENS_BY_CARD),
+        moe_tiles.ROUTER_MAX_TOKENS = fields.pop("router_max_tokens", DEFAULTS["router_max"])
+        # the row this card serves ``batch`` tokens with (_moe_tiles.PER_PAIR_MAX_TOKENS_BY_CARD),
         # varied, as a row of its own for ``batch`` ahead of the table's, the card's rule off
-        row = dataclasses.replace(small.decode_tiles_for(batch, torch.device("cuda")), **fields)
+        row = dataclasses.replace(moe_tiles.decode_tiles_for(batch, torch.device("cuda")), **fields)
         index = next(i for i, (n, _) in enumerate(DEFAULTS["moe"]) if batch <= n)
         table = list(DEFAULTS["moe"])
         table.insert(index, (batch, row))
-        small.PER_PAIR_MAX_TOKENS_BY_CARD = ()
-        small.DECODE_TILES = tuple(table)
+        moe_tiles.PER_PAIR_MAX_TOKENS_BY_CARD = ()
+        moe_tiles.DECODE_TILES = tuple(table)
 
 
 def prefixed(fields: dict, prefix: str) -> dict:
@@ -128,9 +128,9 @@ def prefixed(fields: dict, prefix: str) -> dict:
 
 
 def restore() -> None:
-    attention.GPU_TILES, small.DECODE_TILES = DEFAULTS["attention"], DEFAULTS["moe"]
-    small.PER_PAIR_MAX_TOKENS_BY_CARD = DEFAULTS["per_pair"]
-    small.ROUTER_MAX_TOKENS = DEFAULTS["router_max"]
+    attention.GPU_TILES, moe_tiles.DECODE_TILES = DEFAULTS["attention"], DEFAULTS["moe"]
+    moe_tiles.PER_PAIR_MAX_TOKENS_BY_CARD = DEFAULTS["per_pair"]
+    moe_tiles.ROUTER_MAX_TOKENS = DEFAULTS["router_max"]
     linear.GEMV_MAX_TOKENS, linear.MMA_MAX_TOKENS = DEFAULTS["dense"], DEFAULTS["mma"]
     linear.MMA_TILES, rope.QKV_MMA_TILES = DEFAULTS["mma_tiles"], DEFAULTS["qkv_tiles"]
     rope.QKV_MMA_MAX_TOKENS = DEFAULTS["qkv_max"]
@@ -143,12 +143,12 @@ def restore() -> None:
 # first, since "gemv_" begins the other two.
 GEMV_ROWS = (("gemv_wide_", "GEMV_TILES_WIDE"), ("gemv_pair_", "GEMV_TILES_WIDE_PAIR"),
              ("gemv_tall_", "GEMV_TILES_TALL"), ("gemv_", "GEMV_TILES"))  # fmt: skip
-DEFAULTS = {"attention": attention.GPU_TILES, "moe": small.DECODE_TILES,
+DEFAULTS = {"attention": attention.GPU_TILES, "moe": moe_tiles.DECODE_TILES,
             "dense": linear.GEMV_MAX_TOKENS, "mma": linear.MMA_MAX_TOKENS,
             "mma_tiles": linear.MMA_TILES, "qkv_tiles": rope.QKV_MMA_TILES,
             "qkv_max": rope.QKV_MMA_MAX_TOKENS,
-            "per_pair": small.PER_PAIR_MAX_TOKENS_BY_CARD, "norm": norm.WIDE_ROW_WARPS,
-            "router_max": small.ROUTER_MAX_TOKENS,
+            "per_pair": moe_tiles.PER_PAIR_MAX_TOKENS_BY_CARD, "norm": norm.WIDE_ROW_WARPS,
+            "router_max": moe_tiles.ROUTER_MAX_TOKENS,
             **{attr: getattr(linear, attr) for _, attr in GEMV_ROWS}}  # fmt: skip
 
 
@@ -184,7 +184,7 @@ def main() -> int:
         rows.append({"variant": text, "ms": round(ms, 4), "table_ms": table_ms,
                      "logits_equal": bool(torch.equal(logits, base_logits))})  # fmt: skip
         base_ms = again_ms
-    moe_row = small.decode_tiles_for(args.batch, torch.device("cuda"))
+    moe_row = moe_tiles.decode_tiles_for(args.batch, torch.device("cuda"))
     dense_row = (
         f"GEMV_MAX_TOKENS={linear.GEMV_MAX_TOKENS},MMA_MAX_TOKENS={linear.MMA_MAX_TOKENS},"
         f"MMA_TILES={linear.MMA_TILES},QKV_MMA_TILES={rope.QKV_MMA_TILES},"

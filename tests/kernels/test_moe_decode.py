@@ -83,7 +83,7 @@ def _decode_variants() -> list:
     divide N (rows clamped), one warp per program, the portable decode, PDL, unrolled steps."""
     if importlib.util.find_spec("triton") is None:
         return []
-    from gptoss_serve.kernels._moe_small import DECODE_TILES, DecodeTiles  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_tiles import DECODE_TILES, DecodeTiles  # noqa: PLC0415
 
     return [tiles for _, tiles in DECODE_TILES] + [
         DecodeTiles(
@@ -373,7 +373,7 @@ def test_gpu_decode_bit_exact() -> None:
 def test_gpu_decode_matches_reference(gpu_weights: MoeWeights, num_tokens) -> None:
     """Through moe_experts_triton's dispatch, up to and just past the switch to the grouped
     path (DECODE_MAX_TOKENS)."""
-    from gptoss_serve.kernels._moe_small import DECODE_MAX_TOKENS  # noqa: PLC0415
+    from gptoss_serve.kernels._moe_tiles import DECODE_MAX_TOKENS  # noqa: PLC0415
 
     tokens = {"max": DECODE_MAX_TOKENS, "max+1": DECODE_MAX_TOKENS + 1}.get(num_tokens, num_tokens)
     check_against_reference(random_x(tokens, 2880, device="cuda", seed=fresh_seed()), gpu_weights)
@@ -708,22 +708,22 @@ def test_the_per_pair_rows_serve_up_to_the_cards_count(monkeypatch) -> None:
     PER_PAIR_MAX_TOKENS_BY_CARD (the H100: the per-pair GEMVs up to 8 tokens); no device, or
     one that is not CUDA, gets the table as it is."""
     pytest.importorskip("triton")
-    from gptoss_serve.kernels import _moe_small  # noqa: PLC0415
+    from gptoss_serve.kernels import _moe_tiles  # noqa: PLC0415
 
-    per_pair_row = next(t for n, t in _moe_small.DECODE_TILES if n == 4)
+    per_pair_row = next(t for n, t in _moe_tiles.DECODE_TILES if n == 4)
     cuda = torch.device("cuda", 0)
     try:
         for name, grouped_from in (("NVIDIA H100 80GB HBM3", 9), ("NVIDIA H200", 5)):
             monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None, n=name: n)
-            _moe_small._card_name.cache_clear()
+            _moe_tiles._card_name.cache_clear()
             for num_tokens in range(1, 20):
-                tiles = _moe_small.decode_tiles_for(num_tokens, cuda)
+                tiles = _moe_tiles.decode_tiles_for(num_tokens, cuda)
                 assert tiles.group_columns == (num_tokens >= grouped_from), (name, num_tokens)
                 if 3 <= num_tokens < grouped_from:
                     assert tiles == per_pair_row
                 if num_tokens <= 4 or num_tokens >= 9:  # the cards differ only at 5-8
-                    assert tiles == _moe_small.decode_tiles_for(num_tokens)
+                    assert tiles == _moe_tiles.decode_tiles_for(num_tokens)
     finally:
-        _moe_small._card_name.cache_clear()
+        _moe_tiles._card_name.cache_clear()
     for num_tokens in (5, 8):
-        assert _moe_small.decode_tiles_for(num_tokens, torch.device("cpu")).group_columns
+        assert _moe_tiles.decode_tiles_for(num_tokens, torch.device("cpu")).group_columns

@@ -27,7 +27,6 @@ from gptoss_serve.kernels import _moe_dequant as dequant
 from gptoss_serve.kernels import _moe_gemm as gemm
 from gptoss_serve.kernels import _moe_routing as routing
 from gptoss_serve.kernels._moe_small import (
-    DECODE_MAX_TOKENS,
     TABLE_CHUNK,
     DecodeTiles,
     decode_tiles_for,
@@ -35,6 +34,7 @@ from gptoss_serve.kernels._moe_small import (
     mxfp4_moe_decode,
     sum_pairs,
 )
+from gptoss_serve.kernels._moe_tiles import DECODE_MAX_TOKENS
 from gptoss_serve.kernels.fast_launch import launcher
 from gptoss_serve.kernels.moe import MoeWeights
 

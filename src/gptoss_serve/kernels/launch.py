@@ -11,7 +11,7 @@ the GEMVs and norms at their start, RoPE and attention after their wait, the MoE
 kernels after their GEMV loop (earlier, kernels launched several ahead sat waiting beside
 the MoE's weight stream and slowed it 1.5x), except at 1-2 tokens the router's (1 token)
 and down's: there the norm and q/k/v after down load their gains and weights beside its
-stream (_moe_small.DECODE_TILES).
+stream (_moe_tiles.DECODE_TILES).
 
 The rule that keeps this correct: every kernel launched with PDL calls ``gdc_wait`` in every
 program before it reads anything an earlier kernel wrote and before it writes anything. Then
