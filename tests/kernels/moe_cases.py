@@ -132,6 +132,25 @@ def check_against_reference(x: torch.Tensor, weights: MoeWeights, tiles=None) ->
     assert_close(actual, expected, max_rel=MAX_REL, rms_rel=RMS_REL)
 
 
+# The decode kernels' pointer types at 120b shapes, as the launches give them.
+SM90_POINTERS = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16",
+                 "x_thread_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16",
+                 "logits_ptr": "*fp32", "routing_weights_ptr": "*fp32",
+                 "blocks_ptr": "*u8", "scales_ptr": "*u8"}  # fmt: skip
+
+
+def router_constexprs(tiles, num_tokens: int) -> dict:
+    """The decode router's constexprs at 120b shapes as launch_router gives them under
+    ``tiles`` (BLOCK_K: all of H up to 4 tokens, 16384 / T columns beyond)."""
+    from gptoss_serve.kernels._moe_small import router_block_k  # noqa: PLC0415
+
+    block_k = router_block_k(tiles, num_tokens, 2880)
+    return dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts, BLOCK_K=block_k,
+                PDL=tiles.pdl, TOP_K=4, ROUTE=tiles.route_in_router,
+                PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
+                EARLY=tiles.router_early_dependents)  # fmt: skip
+
+
 def compile_sm90(kernel, constexprs: dict, pointers: dict, options: dict) -> str:
     """PTX of ``kernel`` compiled by Triton's own ptxas for sm_90 (no GPU needed), with 16-byte
     aligned pointers and integer arguments (as at 120b shapes)."""

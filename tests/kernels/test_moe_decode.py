@@ -16,6 +16,7 @@ from moe_cases import (
     INTERPRETING,
     MAX_REL,
     RMS_REL,
+    SM90_POINTERS,
     assert_same_routing,
     check_against_reference,
     clear_tokens,
@@ -25,6 +26,7 @@ from moe_cases import (
     random_weights,
     random_x,
     reference_routing,
+    router_constexprs,
     sm90_registers,
 )
 
@@ -490,13 +492,7 @@ def test_gpu_decode_tile_variants(gpu_weights: MoeWeights, variant: int) -> None
 # -- the decode kernels compile for Hopper (Triton's own ptxas; no GPU needed) -----------------
 
 
-# The per-pair kernels' pointer types and constexprs at 120b shapes, as the launches give them.
-SM90_POINTERS = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16",
-                 "x_thread_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16",
-                 "logits_ptr": "*fp32", "routing_weights_ptr": "*fp32",
-                 "blocks_ptr": "*u8", "scales_ptr": "*u8"}  # fmt: skip
-
-
+# The per-pair kernels' constexprs at 120b shapes, as the launches give them.
 def _down_constexprs(tiles) -> dict:
     from gptoss_serve.kernels._moe_small import split_plan  # noqa: PLC0415
 
@@ -504,17 +500,6 @@ def _down_constexprs(tiles) -> dict:
                 NUM_STAGES=tiles.down_stages, PTX=tiles.ptx, PDL=tiles.pdl, INTERPRET=False,
                 EARLY=tiles.down_early_dependents)  # fmt: skip
     return down | split_plan(2880, tiles.down_split, tiles.down_unroll)
-
-
-def _router_constexprs(tiles, num_tokens: int) -> dict:
-    """BLOCK_K as launch_router takes it (all of H up to 4 tokens, 16384 / T columns beyond)."""
-    from gptoss_serve.kernels._moe_small import router_block_k  # noqa: PLC0415
-
-    block_k = router_block_k(tiles, num_tokens, 2880)
-    return dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts, BLOCK_K=block_k,
-                PDL=tiles.pdl, TOP_K=4, ROUTE=tiles.route_in_router,
-                PRELOAD=tiles.router_preload, TILE_ORDER=tiles.order,
-                EARLY=tiles.router_early_dependents)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -545,7 +530,7 @@ def test_decode_kernels_compile_for_sm90(variant: int) -> None:
         assert ("griddepcontrol.wait" in ptx) == tiles.pdl
         assert ("griddepcontrol.launch_dependents" in ptx) == tiles.pdl
     for num_tokens in (1, 4, 16):  # all of H in one step (4096 columns), 1024 columns a step
-        router = _router_constexprs(tiles, num_tokens)
+        router = router_constexprs(tiles, num_tokens)
         assert (router["BLOCK_K"] >= 2880) == (num_tokens <= 4)
         ptx = compile_sm90(_moe_decode._router_kernel, router, SM90_POINTERS, dict(num_warps=4))
         assert ".local" not in ptx
@@ -577,7 +562,7 @@ def test_small_batch_down_and_router_let_the_next_kernel_in_at_their_start() -> 
         options = dict(num_warps=tiles.down_warps, num_stages=tiles.down_stages)
         ptx = compile_sm90(_moe_decode._down_kernel, down, SM90_POINTERS, options)
         assert trigger_first(ptx) == down_early
-        router = _router_constexprs(tiles, num_tokens)
+        router = router_constexprs(tiles, num_tokens)
         ptx = compile_sm90(_moe_decode._router_kernel, router, SM90_POINTERS, dict(num_warps=4))
         assert trigger_first(ptx) == router_early
         assert ".local" not in ptx

@@ -12,7 +12,16 @@ import importlib.util
 import pytest
 import torch
 from compare import poisoned
-from moe_cases import INTERPRETING, compile_sm90, fresh_seed, interpreter, random_weights, random_x
+from moe_cases import (
+    INTERPRETING,
+    SM90_POINTERS,
+    compile_sm90,
+    fresh_seed,
+    interpreter,
+    random_weights,
+    random_x,
+    router_constexprs,
+)
 
 from gptoss_serve.kernels.moe import MoeWeights
 
@@ -83,14 +92,9 @@ def test_grouping_router_compiles_for_sm90(num_tokens: int) -> None:
     from gptoss_serve.kernels import _moe_decode, _moe_small  # noqa: PLC0415
 
     tiles = dataclasses.replace(_moe_small.decode_tiles_for(num_tokens), pdl=True)
-    constexprs = dict(H=2880, E=128, T_PAD=num_tokens, BLOCK_E=tiles.router_experts,
-                      BLOCK_K=_moe_small.router_block_k(tiles, num_tokens, 2880), TOP_K=4,
-                      ROUTE=True, PDL=True, PRELOAD=tiles.router_preload,
-                      TILE_ORDER=tiles.order, GROUP_COLS=tiles.group_size,
-                      GROUP_FILL=256)  # fmt: skip
-    pointers = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16",
-                "x_thread_ptr": "*bf16", "logits_ptr": "*fp32",
-                "routing_weights_ptr": "*fp32"}  # fmt: skip
-    ptx = compile_sm90(_moe_decode._router_kernel, constexprs, pointers, dict(num_warps=4))
+    assert tiles.route_in_router
+    constexprs = router_constexprs(tiles, num_tokens) | dict(GROUP_COLS=tiles.group_size,
+                                                             GROUP_FILL=256)  # fmt: skip
+    ptx = compile_sm90(_moe_decode._router_kernel, constexprs, SM90_POINTERS, dict(num_warps=4))
     assert ".local" not in ptx
     assert "atom.global" in ptx  # the ticket that picks the last program
