@@ -54,7 +54,10 @@ def _thread_order(x, BK: tl.constexpr):
     return tl.reshape(tl.permute(x, (0, 1, 4, 3, 2)), [x.shape[0], BK])
 
 
-@triton.jit
+# do_not_specialize: g_max (the groups' bound, 4 per token) varies with the token count, and its
+# value classes would compile the grouping router anew where the token count's do not (as for
+# _moe_columns._group_kernel's; engine/compile_watch.py)
+@triton.jit(do_not_specialize=["g_max"])
 def _router_kernel(
     x_ptr, weight_ptr, bias_ptr, logits_ptr, x_thread_ptr, counter_ptr, expert_ids_ptr,
     routing_weights_ptr, num_tokens, stride_x,
