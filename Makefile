@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 # Without CUDA, pin the CPU build of torch (a newer range would pull gigabytes of CUDA wheels).
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 TORCH_PIN := $(if $(HAS_CUDA),torch,torch==2.13.0)
+# Triton, so that the tests run the GPU kernels on the CPU under its interpreter and compile
+# them for sm_90 with its ptxas (registers, instructions). CUDA torch brings its own; the CPU
+# build does not, so pin the version the GPU machines run.
+TRITON_PIN := $(if $(HAS_CUDA),,triton==3.6.0)
 
 # openai-harmony fetches its vocabulary on first use; offline machines keep it beside the checkout.
 VOCAB_DIR := $(abspath ../shared/vocab)
@@ -16,10 +20,10 @@ endif
 
 .PHONY: install serve test lint generate clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet "$(TORCH_PIN)" $(TRITON_PIN)
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
@@ -29,10 +33,13 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/gptoss-serve serve --model demo $(SERVE_ARGS)
 
+# The second pytest runs the Triton kernels' tests again under Triton's interpreter, on CPU
+# tensors (the first skips them: they need TRITON_INTERPRET=1 from the start of the process).
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(BIN)/pytest -q -m "not gpu" tests/kernels
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix src tests bench
