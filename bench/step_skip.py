@@ -2,7 +2,12 @@
 the step with that op's launches left out, between two runs of the whole step. Under PDL the
 kernels' times do not add up (a kernel launched early waits in ``griddepcontrol.wait``), so the
 step without an op is the most that fusing it into its neighbours could save. Timing only: the
-skipped op's output is its input (or a fixed buffer), so the logits are not the model's.
+skipped op's output is its input (or a fixed buffer), so the logits are not the model's. Nor
+is the routing: past a few tokens the MoE's cost follows how many distinct experts the batch
+routes to, so leaving out an op before it moves the MoE too (at batch 64 the step without its
+norms saves 9.4 ms, mostly MoE; without q/k/v or o it ran slower: bench/RESULTS.md v30). Up to 4
+tokens (the per-pair path, which reads each pair's rows whichever expert it picks) the rows
+hold; past that read only the MoE's.
 
     cd bench && python3 step_skip.py [--batch 1 64] [--skip norm attention moe qkv o]
                                      [--out results/step_skip.json]
