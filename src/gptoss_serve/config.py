@@ -269,9 +269,16 @@ def _check_consistency(config: ModelConfig, reader: _Reader) -> None:
             )
 
 
+# Temperatures below this sample greedily, their limit (as vLLM's _SAMPLING_EPS): logits over
+# a temperature of 1e-40 overflow fp32 (the softmax then holds NaN), and far above that the
+# draw is the argmax already but for near-exact ties.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy; ``seed`` makes sampling reproducible.
+    """Per-request sampling. temperature 0 is greedy, as is any below
+    GREEDY_BELOW_TEMPERATURE (stored as 0); ``seed`` makes sampling reproducible.
 
     Generation stops after a token in ``stop_token_ids`` (which is emitted) or after
     ``max_tokens`` tokens. ``grammar`` (constrained decoding) is the text of the grammar every
@@ -292,6 +299,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # frozen: normalised once, here
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gptoss_serve.config import GREEDY_BELOW_TEMPERATURE
+
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask int32 [..., ceil(V / 32)] -> bool [..., V], True where the token is allowed.
@@ -72,18 +74,21 @@ def sample(
     top_p: float,
     generator: torch.Generator | None,
 ) -> int:
-    """logits [V] -> one token id. temperature 0 means greedy (argmax, ties to the lowest id)."""
+    """logits [V] -> one token id. temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means
+    greedy (argmax, ties to the lowest id)."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"bad sampling parameters: temperature={temperature}, top_p={top_p}")
     logits = logits.float()
-    if temperature == 0:
+    if temperature < GREEDY_BELOW_TEMPERATURE:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        # (a top_p under fp32's range compares as 0 with the top token's 0 before it)
+        dropped = (before >= top_p) & (torch.arange(before.numel()) > 0)
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -123,7 +123,30 @@ def _enforced_schemas(
     return schemas
 
 
+# The real API's limit on enum values across an enforced schema. The grammar library's masks
+# grow with them: a strict format of one 6,000-value enum took 45 s and 3 GB to generate 16
+# tokens on the CPU demo, 20,000 values over 10 GB.
+MAX_ENUM_VALUES = 1000
+
+
+def _enum_values(value: Any) -> int:
+    """The values of every ``enum`` list in a schema, at any depth."""
+    if isinstance(value, list):
+        return sum(_enum_values(item) for item in value)
+    if not isinstance(value, dict):
+        return 0
+    listed = value.get("enum")
+    own = len(listed) if isinstance(listed, list) else 0
+    return own + sum(_enum_values(item) for item in value.values())
+
+
 def _check_schema(schema: dict[str, Any], param: str) -> None:
+    values = _enum_values(schema)
+    if values > MAX_ENUM_VALUES:
+        raise bad_request(
+            f"Invalid schema: it has {values} enum values in all, more than the "
+            f"{MAX_ENUM_VALUES} an enforced schema may have.", param, "invalid_json_schema",
+        )  # fmt: skip
     try:
         adapter.check_grammar(schema_grammar(schema))
     except adapter.GrammarError as error:

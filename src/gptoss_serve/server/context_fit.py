@@ -12,12 +12,14 @@ items that let one output token fit are found by a search from a guess (``fewest
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import (
     FunctionCall,
     FunctionCallOutput,
+    FunctionTool,
     Item,
     Reasoning,
     RenderRequest,
@@ -32,6 +34,25 @@ from gptoss_serve.server.errors import APIError, bad_request
 # counted, 0.15 s), never by its bound (16.8 MB).
 LARGE_INPUT_CHARS = 1 << 19
 LARGE_ITEM_CHARS = 1 << 16
+
+
+# What an item costs a render besides its text, in characters of text that render as long: its
+# header tokens and the renderer's own work per item (600,000 empty messages took the event
+# loop 66 s when only text counted).
+ITEM_CHARS = 64
+
+
+def render_chars(render: RenderRequest) -> int:
+    """The size of a render in characters of text: the items' texts and ITEM_CHARS an item,
+    the instructions, and the tools' and the response format's names, descriptions and
+    schemas (as JSON)."""
+    size = input_chars(render.items) + ITEM_CHARS * len(render.items)
+    size += len(render.instructions or "")
+    specs = [*render.tools, *([render.response_format] if render.response_format else [])]
+    for spec in specs:
+        schema = spec.parameters if isinstance(spec, FunctionTool) else spec.schema
+        size += len(spec.name) + len(spec.description or "") + len(json.dumps(schema or {}))
+    return size
 
 
 def large_input(items: Sequence[Item]) -> bool:

@@ -111,10 +111,16 @@ def _parse_stored_item(stored: dict[str, Any]) -> Any:
     """A stored item (output of an earlier response, or its input) as a request item."""
     data = {k: v for k, v in stored.items() if k not in ("status",)}
     if data.get("type") == "message":
-        data["content"] = [
-            {"type": part["type"], "text": part["text"]} for part in data.get("content", [])
-        ]
+        data["content"] = [_stored_part(part) for part in data.get("content", [])]
     return _INPUT_ITEM.validate_python(data)
+
+
+def _stored_part(part: dict[str, Any]) -> dict[str, Any]:
+    """A stored message's content part as a request's (its text; annotations and logprobs of
+    output text left behind)."""
+    if part["type"] == "refusal":
+        return {"type": "refusal", "refusal": part["refusal"]}
+    return {"type": part["type"], "text": part["text"]}
 
 
 def _listed(raw: Any, prefix: str) -> dict[str, Any]:

@@ -189,23 +189,34 @@ async def _read_json(request: Request) -> Any:
         return None
 
 
+class ErrorResponse(JSONResponse):
+    """An error body as JSON, every non-ASCII character escaped: a message may quote the
+    client's own text, lone UTF-16 surrogates included, which UTF-8 cannot encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")  # fmt: skip
+
+
+def error_response(error: APIError) -> ErrorResponse:
+    return ErrorResponse(error.body(), status_code=error.status_code)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status_code)
+        return error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
-        api_error = from_validation_error(error, await _read_json(request))
-        return JSONResponse(api_error.body(), status_code=api_error.status_code)
+        return error_response(from_validation_error(error, await _read_json(request)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
             error.status_code
         )
-        api_error = APIError(error.status_code, str(error.detail), code=code)
-        return JSONResponse(api_error.body(), status_code=error.status_code)
+        return error_response(APIError(error.status_code, str(error.detail), code=code))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:
@@ -214,4 +225,4 @@ def install_error_handlers(app: FastAPI) -> None:
             500, "The server had an error while processing your request.",
             code="server_error", error_type="server_error",
         )  # fmt: skip
-        return JSONResponse(api_error.body(), status_code=500)
+        return error_response(api_error)

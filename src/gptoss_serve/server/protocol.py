@@ -137,6 +137,18 @@ def _check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     none), as the official API checks even where it does not enforce the schema."""
     if schema is None:
         return schema
+    depth = _depth(schema, MAX_SCHEMA_DEPTH)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise PydanticCustomError(
+            "invalid_json_schema", "the schema nests more than {limit} levels of JSON",
+            {"limit": MAX_SCHEMA_DEPTH},
+        )  # fmt: skip
+    dialect = schema.get("$schema")
+    if dialect is not None and not isinstance(dialect, str):
+        raise PydanticCustomError(
+            "invalid_json_schema", "not valid JSON Schema at $.$schema: {dialect} is not a "
+            "string", {"dialect": json.dumps(dialect)},
+        )  # fmt: skip
     problem = _schema_problem(json.dumps(schema, sort_keys=True, separators=(",", ":")))
     if problem is not None:  # the code constraints.py gives schemas it cannot compile
         path, message = problem
@@ -145,6 +157,21 @@ def _check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
             {"path": path, "problem": message},
         )  # fmt: skip
     return schema
+
+
+# The deepest nesting of objects and arrays a schema may have. The Harmony renderer refuses
+# JSON past 128 levels (serde_json's recursion limit: a tool's parameters from ~118, in the
+# conversation it renders) and jsonschema's metaschema check recurses past Python's stack from
+# ~190; the real API's structured outputs allow 10 levels of nested objects (~20 of JSON).
+MAX_SCHEMA_DEPTH = 64
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Levels of JSON objects and arrays in ``value`` (a scalar: 0), counted up to limit + 1."""
+    if limit < 0 or not isinstance(value, dict | list):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(child, limit - 1) for child in children), default=0)
 
 
 # A larger schema is checked every time rather than kept: the cache holds at most 1024 x 64 KB.
@@ -238,13 +265,18 @@ class StreamOptions(_Strict):
 
 # The real API's floor on max_output_tokens (below it: integer_below_min_value).
 MIN_OUTPUT_TOKENS = 16
+MAX_TOOLS = 128
+# The largest reasoning_budget: the grammar's counters are unsigned 64-bit (2**64 failed to
+# compile as a server error); no context comes near 2**31 tokens.
+MAX_REASONING_BUDGET = (1 << 31) - 1
 
 
 class CreateResponseRequest(_Strict):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionToolParam] = Field(default_factory=list)
+    # The real API's limit (128 functions); llguidance's grammar of the tool names panics from 256.
+    tools: list[FunctionToolParam] = Field(default_factory=list, max_length=MAX_TOOLS)
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = Field(default_factory=TextConfig)
@@ -269,7 +301,7 @@ class CreateResponseRequest(_Strict):
     # Extension (not in the official API): most tokens of analysis text before the answer must
     # begin; 0 means no reasoning. Without it, the server's budget for the reasoning effort
     # (capped at half of the output tokens) applies. Send it with the SDK's `extra_body`.
-    reasoning_budget: int | None = Field(default=None, ge=0)
+    reasoning_budget: int | None = Field(default=None, ge=0, le=MAX_REASONING_BUDGET)
 
     @field_validator("metadata")
     @classmethod

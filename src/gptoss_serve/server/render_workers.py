@@ -3,8 +3,9 @@
 openai-harmony's renderer (Rust, through pyo3) holds the GIL for its whole call: 0.24 s for a
 192k-token conversation on one core of the CPU CI machine. Run in the server's process, even
 in a worker thread, that call stalls the event loop, and with it every other request's stream,
-for as long. So where an input has more than RENDER_IN_WORKER_CHARS characters (~8k tokens of
-English, ~8 ms to render), ``context_fit.fit_context`` runs in a process pool, and the event loop
+for as long. So where a render is larger than RENDER_IN_WORKER_CHARS characters
+(``context_fit.render_chars``: items, instructions and tools; ~8k tokens of English, ~8 ms to
+render), ``context_fit.fit_context`` runs in a process pool, and the event loop
 only pickles the conversation and unpickles the token ids: on a CI core, the event loop's
 longest stall during a 96,921-token render went from 100 ms to 6.5 ms (30,219 tokens: 32 to
 2.8 ms). The pool starts a process at its first such input (the vocabulary loads there once,
@@ -49,12 +50,12 @@ class RenderWorkers:
     async def fit_context(
         self, render: RenderRequest, truncation: str | None, context: int, bounds: Sequence[int]
     ) -> tuple[list[int], RenderRequest]:
-        """``context_fit.fit_context`` of these arguments: in a worker process for an input of
-        more than RENDER_IN_WORKER_CHARS characters, its APIError (a 400) coming back as raised
-        there; else here. If the worker dies, the pool is replaced and this one render runs
-        here."""
+        """``context_fit.fit_context`` of these arguments: in a worker process for a render of
+        more than RENDER_IN_WORKER_CHARS characters (``context_fit.render_chars``), its
+        APIError (a 400) coming back as raised there; else here. If the worker dies, the pool
+        is replaced and this one render runs here."""
         here = not self.processes or self._broken >= MAX_BROKEN_POOLS
-        if here or context_fit.input_chars(render.items) <= RENDER_IN_WORKER_CHARS:
+        if here or context_fit.render_chars(render) <= RENDER_IN_WORKER_CHARS:
             return context_fit.fit_context(render, truncation, context, bounds)
         if self._pool is None:
             # spawn: a fork of a process that holds CUDA, threads and an event loop is unsafe.

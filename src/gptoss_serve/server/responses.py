@@ -112,8 +112,8 @@ def begin(
             404, f"The model '{request.model}' does not exist; this server serves "
             f"'{info.model_name}'.", param="model", code="model_not_found",
         )  # fmt: skip
-    _check_unsupported(request)
     _check_values(request.model_dump(by_alias=True, exclude_unset=True))
+    _check_unsupported(request)
     tools = _check_tools(request)
     history = _history(request, store)
     converter = InputConverter(history, store.item)
