@@ -4,6 +4,7 @@ a failed response or a stalled event loop: each now a 400 naming its field, or s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from test_server_errors import REPLY, assert_error, assert_healthy, make_client,
 
 
 @pytest.fixture()
-def client() -> TestClient:
+def client() -> Iterator[TestClient]:
     with make_client(ScriptedEngine([harmony_tokens(REPLY)] * 4)) as test_client:
         yield test_client
 

@@ -9,12 +9,11 @@ read: hence this middleware.
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gptoss_serve.server.errors import too_large
+from gptoss_serve.server.errors import error_response, too_large
 
 
 class BodyLimit:
@@ -31,7 +30,7 @@ class BodyLimit:
         error = too_large(self.max_bytes)
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+            await error_response(error)(scope, receive, send)
             return
         received = 0
 
