@@ -84,3 +84,25 @@ def tiny_dir(tmp_path: Path) -> Path:
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo checkpoint (real vocabulary), written once per session."""
     return demo_checkpoint_dir(tmp_path_factory.mktemp("demo-cache"))
+
+
+@pytest.fixture()
+def scripted_engine():
+    """An engine that replays queued Harmony token scripts (server_helpers.ScriptedEngine)."""
+    from server_helpers import ScriptedEngine  # noqa: PLC0415  (a test helper module)
+
+    return ScriptedEngine()
+
+
+@pytest.fixture()
+def scripted_client(scripted_engine):
+    """A TestClient on the app over ``scripted_engine``, with an in-memory store."""
+    from fastapi.testclient import TestClient  # noqa: PLC0415
+
+    from gptoss_serve.config import ServerConfig  # noqa: PLC0415
+    from gptoss_serve.server.app import create_app  # noqa: PLC0415
+    from gptoss_serve.server.store import ResponseStore  # noqa: PLC0415
+
+    app = create_app(scripted_engine, ResponseStore(":memory:"), ServerConfig())
+    with TestClient(app) as test_client:
+        yield test_client

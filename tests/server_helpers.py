@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import uvicorn
 
-from gptoss_serve.config import SamplingParams
+from gptoss_serve.config import SampledToken, SamplingParams
 from gptoss_serve.constrain import adapter as constrain_adapter
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.harmony import adapter
@@ -102,7 +102,7 @@ class ScriptedEngine:
                         raise EngineError(f"grammar refused token {token}") from error
                 if self.delay:
                     await asyncio.sleep(self.delay)
-                yield token
+                yield token if params.logprobs is None else scripted_logprobs(token, count, params)
                 if token in params.stop_token_ids or count >= params.max_tokens:
                     break
             finished = True
@@ -119,6 +119,14 @@ class ScriptedEngine:
 
     async def close(self) -> None:
         return None
+
+
+def scripted_logprobs(token: int, count: int, params: SamplingParams) -> SampledToken:
+    """The ``count``-th scripted token with made-up log-probabilities: -count / 100, and the
+    token itself then the ids after it as the most likely ones, each 1 less likely."""
+    logprob = -count / 100
+    top = tuple((token + j, logprob - j) for j in range(params.logprobs))
+    return SampledToken(token, logprob, top)
 
 
 def free_port() -> int:

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from gptoss_serve.config import SamplingParams
+from gptoss_serve.config import SampledToken, SamplingParams
 from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
 from gptoss_serve.engine.client import EngineError
 from gptoss_serve.engine.cpu_engine import CpuEngine
@@ -43,6 +44,21 @@ def test_concurrent_requests_match_running_alone(model) -> None:
             await engine.close()
 
     assert asyncio.run(main()) == alone
+
+
+def test_logprobs_are_the_models_log_softmax(model) -> None:
+    prompt = [1, 2, 3, 4]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    tokens = list(generate(model, prompt, params))
+    assert tokens == list(generate(model, prompt, GREEDY))[:6]  # the same draws
+    ids = torch.tensor(prompt + tokens[:-1])
+    expected = torch.log_softmax(model(ids, model.new_cache())[len(prompt) - 1 :].float(), -1)
+    for row, token in enumerate(tokens):
+        assert isinstance(token, SampledToken)
+        assert token.logprob == pytest.approx(expected[row, token].item(), abs=1e-5)
+        values, top_ids = expected[row].topk(3)
+        assert [t for t, _ in token.top] == top_ids.tolist() and token.top[0][0] == token
+        assert [v for _, v in token.top] == pytest.approx(values.tolist(), abs=1e-5)
 
 
 def test_closing_the_stream_aborts(model) -> None:

@@ -6,6 +6,7 @@ from gptoss_serve.kernels.sampling import (
     apply_token_bitmask,
     sample,
     sample_allowed,
+    token_logprobs,
 )
 from gptoss_serve.model.generate import SamplingParams
 
@@ -47,7 +48,7 @@ def test_seed_reproducible() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [dict(max_tokens=0), dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0),
-     dict(top_p=1.5)],
+     dict(top_p=1.5), dict(logprobs=-1), dict(logprobs=21)],
 )  # fmt: skip
 def test_bad_sampling_params(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -89,3 +90,25 @@ def test_sample_allowed_draws_only_allowed_tokens_with_masked_probabilities() ->
     assert abs(draws.count(1) / 3000 - 0.155) < 0.03
     with pytest.raises(ValueError, match="no token"):
         sample_allowed(logits, _bitmask([], 5), temperature=1.0, top_p=1.0, generator=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_are_the_log_softmax_in_blocks_of_rows(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(70, 1000, generator=generator) * 4).to(dtype)  # 3 blocks of 32 rows
+    tokens = torch.randint(0, 1000, (70,), generator=generator)
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    chosen, values, ids = token_logprobs(logits, tokens, 5)
+    torch.testing.assert_close(chosen, expected.gather(1, tokens[:, None])[:, 0])
+    top_values, top_ids = expected.topk(5, dim=-1)
+    torch.testing.assert_close(values, top_values)
+    assert torch.equal(ids, top_ids)
+    # Picked rows, in any order; k = 0; no rows.
+    rows = torch.tensor([65, 2, 33])
+    chosen, values, ids = token_logprobs(logits, tokens[rows], 0, rows=rows)
+    torch.testing.assert_close(chosen, expected[rows].gather(1, tokens[rows, None])[:, 0])
+    assert values.shape == ids.shape == (3, 0)
+    chosen, values, ids = token_logprobs(logits[:0], tokens[:0], 2)
+    assert chosen.shape == (0,) and values.shape == ids.shape == (0, 2)
+    with pytest.raises(ValueError):
+        token_logprobs(logits, tokens[:3], 2)

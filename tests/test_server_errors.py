@@ -260,7 +260,7 @@ MALFORMED: list[Any] = [
                  id="background-not-stored"),
     pytest.param(
         with_base(include=["message.output_text.logprobs", "file_search_call.results"]), 400,
-        "include[0]", "unsupported_parameter", id="include-unsupported",
+        "include[1]", "unsupported_parameter", id="include-unsupported",
     ),
     pytest.param(with_base(include="reasoning"), 400, "include", None, id="include-not-list"),
     pytest.param(with_base(input=[]), 400, "input", None, id="input-empty-list"),

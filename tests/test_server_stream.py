@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 import typing
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -41,15 +40,13 @@ TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 
 
 @pytest.fixture()
-def engine() -> ScriptedEngine:
-    return ScriptedEngine()
+def engine(scripted_engine: ScriptedEngine) -> ScriptedEngine:
+    return scripted_engine
 
 
 @pytest.fixture()
-def client(engine: ScriptedEngine) -> Iterator[TestClient]:
-    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
-    with TestClient(app) as test_client:
-        yield test_client
+def client(scripted_client: TestClient) -> TestClient:
+    return scripted_client
 
 
 def sse_events(text: str) -> list[dict[str, Any]]:

@@ -275,6 +275,10 @@ def _check_consistency(config: ModelConfig, reader: _Reader) -> None:
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
+# The most alternatives a token's log-probabilities come with (the official API's top_logprobs).
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy, as is any below
@@ -283,6 +287,11 @@ class SamplingParams:
     Generation stops after a token in ``stop_token_ids`` (which is emitted) or after
     ``max_tokens`` tokens. ``grammar`` (constrained decoding) is the text of the grammar every
     generated token must follow, in the syntax of ``gptoss_serve.constrain``; None: none.
+
+    ``logprobs``: None, or return each token's log-probability with the ``logprobs`` most
+    likely tokens at its position (0 to MAX_LOGPROBS): the engines then yield
+    ``SampledToken``s. They are the model's own distribution (log-softmax of
+    its logits, before temperature, top-p and the grammar's mask), as vLLM's default.
     """
 
     max_tokens: int = 256
@@ -291,8 +300,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     grammar: str | None = dataclasses.field(default=None, repr=False)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -301,6 +313,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.temperature < GREEDY_BELOW_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)  # frozen: normalised once, here
+
+
+class SampledToken(int):
+    """A generated token id with its log-probability and the most likely tokens at its
+    position (``top``: (token id, log-probability) pairs, most likely first)."""
+
+    logprob: float  # (an int subclass cannot have __slots__: these live in its __dict__)
+    top: tuple[tuple[int, float], ...]
+
+    def __new__(cls, token_id: int, logprob: float, top: tuple[tuple[int, float], ...] = ()):
+        token = super().__new__(cls, token_id)
+        token.logprob = logprob
+        token.top = top
+        return token
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from engine_runs import run_greedy
 
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
-from gptoss_serve.config import EngineConfig, SamplingParams, SchedulerConfig
+from gptoss_serve.config import EngineConfig, SampledToken, SamplingParams, SchedulerConfig
 from gptoss_serve.engine import seats
 from gptoss_serve.engine.startup import build_engine
 from gptoss_serve.engine.weights import load_weights
@@ -95,6 +95,35 @@ def test_async_scheduling_feeds_the_device_tokens(unambiguous_dir: Path) -> None
     assert async_tokens == tokens
     for request_id in prompts:
         assert torch.equal(torch.stack(async_rows[request_id]), torch.stack(rows[request_id]))
+
+
+def test_logprobs_on_the_graph_path(unambiguous_dir: Path) -> None:
+    """Rows 1 and 3 of 5 ask for log-probabilities (4 and 0 alternatives) in graph-replayed,
+    async-scheduled steps: the same tokens as without, and the log-softmax of the very logits
+    each token was drawn from (a graph's output buffer is rewritten by the next replay)."""
+    make_core, runner, _ = _engine(unambiguous_dir, torch.bfloat16, True)
+    prompts = _prompts(4096, 5, 40)
+    run = run_greedy(make_core(), prompts, 12, runner)
+    wanted = dict(zip(prompts, (None, 4, None, 0, None), strict=True))
+    core = make_core()
+    for request_id, prompt in prompts.items():
+        params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=wanted[request_id])
+        core.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    while core.has_unfinished_requests:
+        for output in core.step().outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+    assert tokens == run.tokens
+    for request_id, k in wanted.items():
+        if k is None:
+            assert not any(isinstance(t, SampledToken) for t in tokens[request_id])
+            continue
+        for token, row in zip(tokens[request_id], run.rows[request_id], strict=True):
+            expected = torch.log_softmax(row, dim=-1)
+            assert token.logprob == pytest.approx(expected[token].item(), abs=1e-4)
+            values, ids = expected.topk(k)
+            assert [t for t, _ in token.top] == ids.tolist()
+            assert [v for _, v in token.top] == pytest.approx(values.tolist(), abs=1e-4)
 
 
 def test_fp32_verification_mode_on_cuda_matches_the_plain_model(unambiguous_dir: Path) -> None:

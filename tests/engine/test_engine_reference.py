@@ -16,7 +16,7 @@ import torch
 from engine_runs import run_greedy
 from transformers import GptOssForCausalLM, Mxfp4Config
 
-from gptoss_serve.config import EngineConfig, SamplingParams, SchedulerConfig
+from gptoss_serve.config import EngineConfig, SampledToken, SamplingParams, SchedulerConfig
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.engine.startup import build_engine
@@ -75,6 +75,35 @@ def test_engine_matches_transformers(checkpoint_dirs: dict[str, Path], shape: st
     difference = (actual - expected).abs().max().item()
     assert difference <= TOLERANCE, f"max |Δlogit| = {difference:.2e}"
     assert generated == expected.argmax(-1).tolist()
+
+
+def test_logprobs_of_some_rows_of_a_batch(checkpoint_dirs: dict[str, Path]) -> None:
+    model_dir = checkpoint_dirs["tiny8"]
+    make_core, runner = _make_core(model_dir)
+    vocab = _weights(model_dir).config.vocab_size
+    prompts = {name: _prompt(vocab, length, seed=seed)
+               for name, length, seed in (("a", 40, 1), ("b", 70, 2), ("c", 20, 3))}  # fmt: skip
+    plain = run_greedy(make_core(), prompts, 6, runner)
+    # a and c ask (with 2 and 0 alternatives), b between them does not: rows 0 and 2 picked.
+    wanted = {"a": 2, "b": None, "c": 0}
+    core = make_core()
+    for name, prompt in prompts.items():
+        core.add_request(name, prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                      logprobs=wanted[name]))  # fmt: skip
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+    while core.has_unfinished_requests:
+        for output in core.step().outputs:
+            tokens[output.request_id].extend(output.new_token_ids)
+    assert tokens == plain.tokens
+    assert not any(isinstance(token, SampledToken) for token in tokens["b"])
+    for name in ("a", "c"):
+        for token, row in zip(tokens[name], plain.rows[name], strict=True):
+            expected = torch.log_softmax(row, dim=-1)
+            assert isinstance(token, SampledToken)
+            assert token.logprob == pytest.approx(expected[token].item(), abs=SELF_TOLERANCE)
+            values, ids = expected.topk(wanted[name])
+            assert [t for t, _ in token.top] == ids.tolist()
+            assert [v for _, v in token.top] == pytest.approx(values.tolist(), abs=SELF_TOLERANCE)
 
 
 def test_batch_prefix_cache_and_alone_agree(checkpoint_dirs: dict[str, Path]) -> None:

@@ -2,6 +2,8 @@
 
 An engine takes a prompt (token ids) with sampling parameters and streams back token ids
 asynchronously; closing the stream early (a client that went away) aborts the generation.
+When the parameters ask for log-probabilities, each token id comes as a
+``config.SampledToken``: an int (every consumer of ids takes it as one) that also carries them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class EngineClient(Protocol):
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[int]:
         """Stream the generated token ids (the last is a stop token unless max_tokens ran
-        out). Raises EngineError if generation fails. Closing the iterator aborts it.
+        out), as ``config.SampledToken``s when ``params.logprobs`` is set. Raises EngineError if
+        generation fails. Closing the iterator aborts it.
 
         With ``params.grammar`` set, every token is drawn among those the grammar allows
         (``gptoss_serve.constrain``); a grammar that cannot go on fails the request with

@@ -24,7 +24,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gptoss_serve.config import SamplingParams
+from gptoss_serve.config import SampledToken, SamplingParams
 from gptoss_serve.engine.grammar_batch import BatchGrammars
 from gptoss_serve.engine.model_runner import (
     ModelRunner,
@@ -162,6 +162,10 @@ class EngineCore:
         """Read a launched step's tokens back and update the requests with them."""
         ids, failed = launched.request_ids, launched.failed
         tokens = [] if launched.tokens is None else launched.tokens.tolist()
+        if launched.tokens is not None:
+            for row, (logprob, top) in launched.tokens.logprobs().items():
+                k = self._states[ids[row]].params.logprobs if ids[row] in self._states else 0
+                tokens[row] = SampledToken(tokens[row], logprob, tuple(top[:k]))
         sampled = dict(zip(ids, tokens, strict=True))
         # Requests finished or aborted since have left the grammars; failed ones are skipped.
         self._grammars.advance({r: t for r, t in sampled.items() if r not in failed})
@@ -175,14 +179,15 @@ class EngineCore:
         return StepResult(outputs, failed)
 
     def _sampling_batch(self, request_ids: Sequence[str]) -> SamplingBatch:
-        temperature, top_p, seeds, steps = [], [], [], []
+        temperature, top_p, seeds, steps, logprobs = [], [], [], [], []
         for request_id in request_ids:
             state = self._states[request_id]
             temperature.append(state.params.temperature)
             top_p.append(state.params.top_p)
             seeds.append(state.seed)
             steps.append(self.scheduler.requests[request_id].num_output_tokens)
-        return SamplingBatch(temperature, top_p, seeds, steps)
+            logprobs.append(state.params.logprobs)
+        return SamplingBatch(temperature, top_p, seeds, steps, logprobs)
 
     def _drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)

@@ -28,7 +28,7 @@ from gptoss_serve.engine.piecewise_graphs import PiecewiseGraphs, piece_sizes
 from gptoss_serve.engine.request import PLACEHOLDER_TOKEN
 from gptoss_serve.engine.scheduler_output import SchedulerOutput
 from gptoss_serve.engine.weights import ModelWeights
-from gptoss_serve.kernels.sampling import apply_token_bitmask, needs_nucleus
+from gptoss_serve.kernels.sampling import apply_token_bitmask, needs_nucleus, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,13 @@ class SamplingBatch:
     top_p: list[float]
     seeds: list[int]
     steps: list[int]  # index of the token being drawn (its number of output tokens so far)
+    # Per row: None, or how many most likely tokens its log-probabilities come with.
+    logprobs: list[int | None] | None = None
+
+    @property
+    def logprob_rows(self) -> list[int]:
+        """The rows that return log-probabilities."""
+        return [row for row, k in enumerate(self.logprobs or ()) if k is not None]
 
 
 @dataclass(frozen=True)
@@ -56,15 +63,53 @@ class PreviousTokens:
     tokens: torch.Tensor  # int64 [S]
 
 
-class SampledTokens:
-    """A step's sampled tokens: on the device, and on their way to the host."""
+@dataclass(frozen=True)
+class LogprobTensors:
+    """The log-probabilities of a step's rows that asked (``rows``, in order): the drawn
+    token's [R] and the k most likely tokens' values and ids [R, k] (k: the rows' largest)."""
 
-    def __init__(self, tokens: torch.Tensor, host: torch.Tensor | None) -> None:
+    rows: list[int]
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to_host(self) -> LogprobTensors:
+        """Copies in pinned memory, queued (not waited for) on a GPU."""
+        if self.chosen.device.type != "cuda":
+            return self
+        copies = []
+        for tensor in (self.chosen, self.top_values, self.top_ids):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            copies.append(host.copy_(tensor, non_blocking=True))
+        return LogprobTensors(self.rows, *copies)
+
+    def per_row(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """row -> (the drawn token's log-probability, the top (id, value) pairs)."""
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        return {
+            row: (chosen[i], list(zip(ids[i], values[i], strict=True)))
+            for i, row in enumerate(self.rows)
+        }
+
+
+class SampledTokens:
+    """A step's sampled tokens (and the log-probabilities of the rows that asked): on the
+    device, and on their way to the host."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        host: torch.Tensor | None,
+        logprobs: LogprobTensors | None = None,
+    ) -> None:
         self.device = tokens
         self._host = host
         self._event = None
+        self._logprobs = logprobs
         if host is not None:  # a pinned buffer: the copy is queued now, waited for in tolist
             host.copy_(tokens, non_blocking=True)
+            if logprobs is not None:
+                self._logprobs = logprobs.to_host()
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -73,6 +118,11 @@ class SampledTokens:
             return self.device.tolist()
         self._event.synchronize()
         return self._host.tolist()
+
+    def logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """``LogprobTensors.per_row`` of the rows that asked ({} if none); call after
+        ``tolist``."""
+        return {} if self._logprobs is None else self._logprobs.per_row()
 
 
 class ModelRunner:
@@ -182,14 +232,31 @@ class ModelRunner:
     def sample_async(
         self, logits: torch.Tensor, sampling: SamplingBatch, bitmask: torch.Tensor | None
     ) -> SampledTokens:
-        """``launch_sampling`` and the copy of its tokens to the host, not waited for."""
+        """``launch_sampling`` (with the log-probabilities of the rows that ask) and the copy
+        of its results to the host, not waited for."""
         tokens = self.launch_sampling(logits, sampling, bitmask)
         host = None
         if self._token_buffers:
             buffer = self._token_buffers[self._num_reads % len(self._token_buffers)]
             host = buffer[: tokens.shape[0]]
             self._num_reads += 1
-        return SampledTokens(tokens, host)
+        return SampledTokens(tokens, host, self.launch_logprobs(logits, tokens, sampling))
+
+    def launch_logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingBatch
+    ) -> LogprobTensors | None:
+        """The log-probabilities of the rows that ask for them, from the logits as the model
+        gave them (before temperature, top-p and the grammar's mask); None if no row asks."""
+        rows = sampling.logprob_rows
+        if not rows:
+            return None
+        k = max(sampling.logprobs[row] for row in rows)
+        if rows == list(range(len(rows))):
+            picked = token_logprobs(logits[: len(rows)], tokens[: len(rows)], k)
+        else:
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            picked = token_logprobs(logits, tokens.index_select(0, index), k, rows=index)
+        return LogprobTensors(rows, *picked)
 
     def sample(
         self, logits: torch.Tensor, sampling: SamplingBatch, bitmask: torch.Tensor | None

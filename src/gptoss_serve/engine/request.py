@@ -121,6 +121,7 @@ class Request:
         return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER_TOKEN
 
     def append_output_token(self, token_id: int) -> None:
+        token_id = int(token_id)  # a SampledToken's log-probabilities go out, not stay here
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
@@ -128,6 +129,7 @@ class Request:
         """The sampled token behind the trailing ``PLACEHOLDER_TOKEN``."""
         if not self.has_placeholder:
             raise RuntimeError(f"request {self.request_id} has no token to resolve")
+        token_id = int(token_id)
         self.output_token_ids[-1] = token_id
         self.all_token_ids[-1] = token_id
 

@@ -99,6 +99,13 @@ def assistant_stop_token_ids() -> tuple[int, ...]:
 # -- token-level parsing primitives (used by parse.py, which holds the policy) ----------------
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def token_bytes(token_id: int) -> bytes:
+    """One token's bytes (a special token's: its text); a part of a UTF-8 sequence as it is."""
+    # The library's public decode is lossy (text); its inner object gives the raw bytes.
+    return bytes(encoding()._inner.decode_bytes([token_id]))
+
+
 def is_special_token(token_id: int) -> bool:
     return encoding().is_special_token(token_id)
 

@@ -99,6 +99,9 @@ class HarmonyStreamParser:
         self._parts: list[str] = []
         # The first framing error seen (the later ones usually follow from it).
         self.framing_error: str | None = None
+        # Whether the token fed last was content of the open message (not its header, not
+        # the token that ends it): its text is in that message's deltas.
+        self.fed_content = False
 
     @property
     def current_channel(self) -> str | None:
@@ -110,6 +113,7 @@ class HarmonyStreamParser:
 
     def feed(self, token_id: int) -> list[ParseEvent]:
         """Process one generated token; return the events it completes."""
+        self.fed_content = False
         if self._phase is _Phase.EXPECT_START and not self._begin_message(token_id):
             return []
         try:
@@ -151,6 +155,7 @@ class HarmonyStreamParser:
 
     def _on_content_token(self, token_id: int, delta: str | None) -> list[ParseEvent]:
         events: list[ParseEvent] = []
+        self.fed_content = token_id not in self._end_ids
         if delta:
             self._parts.append(delta)
             events.append(ContentDelta(delta))

@@ -125,6 +125,37 @@ def sample_tokens(
     return sample_tokens_reference(logits, temperature, top_p, seeds, steps, nucleus=nucleus)
 
 
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-softmax of logits [S, V] (any float dtype; computed in fp32) at the drawn
+    tokens, and its k largest values per row: (chosen [R], top_values [R, k], top_ids [R, k]
+    int64), most likely first. ``rows`` (int64 [R] on logits' device; None: all S) picks the
+    rows; tokens [R] are theirs. No host sync.
+
+    Only ``LOGPROB_ROWS`` rows at a time are held as fp32 temporaries (1,024 rows of the
+    201,088-token vocabulary would be 0.8 GB more at once)."""
+    num_rows = logits.shape[0] if rows is None else rows.shape[0]
+    if logits.dim() != 2 or tokens.shape != (num_rows,) or not 0 <= k <= logits.shape[1]:
+        raise ValueError(f"logits {tuple(logits.shape)}, tokens {tuple(tokens.shape)}, k {k}")
+    chosen = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    top_values = torch.empty((num_rows, k), dtype=torch.float32, device=logits.device)
+    top_ids = torch.empty((num_rows, k), dtype=torch.int64, device=logits.device)
+    for start in range(0, num_rows, LOGPROB_ROWS):
+        stop = min(start + LOGPROB_ROWS, num_rows)
+        block = logits[start:stop] if rows is None else logits.index_select(0, rows[start:stop])
+        block = block.float()
+        normaliser = torch.logsumexp(block, dim=-1, keepdim=True)  # [n, 1]
+        chosen[start:stop] = (block.gather(1, tokens[start:stop, None]) - normaliser)[:, 0]
+        values, ids = block.topk(k, dim=-1)
+        top_values[start:stop] = values - normaliser
+        top_ids[start:stop] = ids
+    return chosen, top_values, top_ids
+
+
+LOGPROB_ROWS = 32
+
+
 def needs_nucleus(temperature: list[float], top_p: list[float]) -> bool:
     """Whether some row of these host-side parameters samples from a top-p nucleus."""
     return any(t > 0 and p < 1 for t, p in zip(temperature, top_p, strict=True))

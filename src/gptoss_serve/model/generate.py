@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from gptoss_serve.config import SamplingParams
-from gptoss_serve.kernels.sampling import sample, sample_allowed
+from gptoss_serve.config import SampledToken, SamplingParams
+from gptoss_serve.kernels.sampling import sample, sample_allowed, token_logprobs
 from gptoss_serve.model.transformer import GptOssForCausalLM
 
 __all__ = ["Generation", "SamplingParams", "TokenConstraint", "generate"]
@@ -75,6 +75,8 @@ class Generation:
         else:
             bitmask = self.constraint.bitmask()
             token = sample_allowed(self._logits, bitmask, **options, generator=self._generator)
+        if params.logprobs is not None:
+            token = _with_logprobs(self._logits, token, params.logprobs)
         self.num_generated += 1
         context = self.model.config.max_position_embeddings
         if (
@@ -89,6 +91,12 @@ class Generation:
                 self.constraint.advance(token)  # the next mask is computed during the forward
             self._logits = self.model(torch.tensor([token]), self._cache)[-1]
         return token
+
+
+def _with_logprobs(logits: torch.Tensor, token: int, k: int) -> SampledToken:
+    chosen, values, ids = token_logprobs(logits[None], torch.tensor([token]), k)
+    top = tuple(zip(ids[0].tolist(), values[0].tolist(), strict=True))
+    return SampledToken(token, chosen.item(), top)
 
 
 def check_prompt(model: GptOssForCausalLM, prompt_ids: Sequence[int]) -> None:

@@ -42,6 +42,8 @@ class OpenItem:
     # The text so far, as its deltas: appending to one string copies it every token, which
     # for a 30k-token reasoning was 0.26 s of the event loop (quadratic in the length).
     parts: list[str] = field(default_factory=list)
+    # A message's tokens' log-probabilities (server/logprobs.py entries), when asked for.
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -53,6 +55,9 @@ class StreamState:
     response: ResponseObject
     sequence_number: int = 0
     current: OpenItem | None = None
+    # Log-probabilities of content tokens whose text no delta has carried yet (a token may
+    # end inside a UTF-8 sequence: its text comes with the next token's delta).
+    pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     def event(self, event_type: str, **fields: Any) -> Event:
         event = {"type": event_type, "sequence_number": self.sequence_number, **fields}
@@ -77,6 +82,12 @@ def start(state: StreamState) -> list[Event]:
     ]
 
 
+def add_logprobs(state: StreamState, entry: dict[str, Any]) -> None:
+    """A content token's log-probabilities (``logprobs.logprob_entry``), fed before the parse
+    events of the same token: its message's next text delta carries them."""
+    state.pending_logprobs.append(entry)
+
+
 def on_parse_event(state: StreamState, parsed: ParseEvent) -> list[Event]:
     if isinstance(parsed, MessageStarted):
         return _open(state, parsed)
@@ -92,6 +103,7 @@ def _open(state: StreamState, started: MessageStarted) -> list[Event]:
     kind = item_kind(started.channel, started.recipient)
     prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
     item = OpenItem(kind, len(state.response.output), new_id(prefix), started.channel)
+    state.pending_logprobs = []
     if kind == "function_call":
         recipient = started.recipient or ""
         item.name = recipient.removeprefix(FUNCTIONS_PREFIX)
@@ -130,8 +142,16 @@ def _delta(state: StreamState, text: str) -> list[Event]:
             )
         ]
     if item.kind == "reasoning":
+        state.pending_logprobs = []
         return [state.event("response.reasoning_text.delta", **_where(item), delta=text)]
-    return [state.event("response.output_text.delta", **_where(item), delta=text, logprobs=[])]
+    logprobs, state.pending_logprobs = state.pending_logprobs, []
+    item.logprobs += logprobs
+    return [
+        state.event(
+            "response.output_text.delta", **_where(item), delta=text,
+            logprobs=_event_logprobs(logprobs),
+        )
+    ]  # fmt: skip
 
 
 def _close(state: StreamState, status: str) -> list[Event]:
@@ -139,6 +159,9 @@ def _close(state: StreamState, status: str) -> list[Event]:
     if item is None:
         return []
     state.current = None
+    if item.kind == "message":  # tokens of a UTF-8 sequence the end cut off
+        item.logprobs += state.pending_logprobs
+    state.pending_logprobs = []
     final = _item_object(item, status, with_part=True)
     state.response.output[item.output_index] = final
     events: list[Event] = []
@@ -157,7 +180,10 @@ def _close(state: StreamState, status: str) -> list[Event]:
             state.event("response.reasoning_text.done", **_where(item), text=item.text)
             if item.kind == "reasoning"
             else state.event(
-                "response.output_text.done", **_where(item), text=item.text, logprobs=[]
+                "response.output_text.done",
+                **_where(item),
+                text=item.text,
+                logprobs=_event_logprobs(item.logprobs),
             )
         )
         part = _part(item).model_dump()
@@ -196,10 +222,24 @@ def _where(item: OpenItem) -> dict[str, Any]:
     return {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
 
 
+def _event_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Log-probabilities as the text events carry them: without ``bytes`` (the SDK's types)."""
+    return [
+        {
+            "token": entry["token"],
+            "logprob": entry["logprob"],
+            "top_logprobs": [
+                {"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]
+            ],
+        }
+        for entry in entries
+    ]
+
+
 def _part(item: OpenItem) -> OutputTextPart | ReasoningTextPart:
     if item.kind == "reasoning":
         return ReasoningTextPart(text=item.text)
-    return OutputTextPart(text=item.text)
+    return OutputTextPart(text=item.text, logprobs=item.logprobs)
 
 
 def _item_object(item: OpenItem, status: str, *, with_part: bool):
@@ -215,6 +255,6 @@ def _item_object(item: OpenItem, status: str, *, with_part: bool):
     if item.kind == "reasoning":
         content = [ReasoningTextPart(text=item.text)] if with_part else []
         return ReasoningOutput(id=item.item_id, content=content, status=status)
-    content = [OutputTextPart(text=item.text)] if with_part else []
+    content = [_part(item)] if with_part else []
     phase = "commentary" if item.channel == "commentary" else "final_answer"
     return MessageOutput(id=item.item_id, content=content, status=status, phase=phase)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptoss_serve.config import SamplingParams, ServerConfig
+from gptoss_serve.config import SampledToken, SamplingParams, ServerConfig
 from gptoss_serve.engine.client import EngineClient, EngineError
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import (
@@ -34,6 +34,7 @@ from gptoss_serve.server.conversation import (
     output_to_items,
 )
 from gptoss_serve.server.errors import APIError, bad_request
+from gptoss_serve.server.logprobs import logprob_entry
 from gptoss_serve.server.metrics import RequestTimer, ServerMetrics
 from gptoss_serve.server.objects import (
     IncompleteDetails,
@@ -53,7 +54,10 @@ from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_INCLUDES: frozenset[str] = frozenset()  # logprobs and encrypted reasoning: not yet
+# The answer's log-probabilities (output_text parts and their deltas); encrypted reasoning is
+# not produced (the stored conversation carries the reasoning: previous_response_id).
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+SUPPORTED_INCLUDES: frozenset[str] = frozenset({OUTPUT_TEXT_LOGPROBS})
 
 
 @dataclass
@@ -151,6 +155,7 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
         top_p=top_p or 1.0,
         stop_token_ids=adapter.assistant_stop_token_ids(),
         grammar=constraint_grammar(request, budget),
+        logprobs=wanted_logprobs(request),
     )
     response = ResponseObject(
         id=new_id("resp"),
@@ -177,13 +182,19 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
     return Prepared(request, response, prompt_ids, list(render.items), draft.input_items, params)
 
 
+def wanted_logprobs(request: CreateResponseRequest) -> int | None:
+    """The alternatives a token's log-probabilities come with, when the request includes the
+    answer's log-probabilities (``top_logprobs`` alone returns none, as the official API);
+    None: no log-probabilities."""
+    if OUTPUT_TEXT_LOGPROBS not in (request.include or ()):
+        return None
+    return request.top_logprobs or 0
+
+
 def _check_unsupported(request: CreateResponseRequest) -> None:
     if request.background and not request.store:
         raise bad_request("Background responses must be stored: background requires store=true.",
                           "background")  # fmt: skip
-    if request.top_logprobs:
-        raise bad_request("top_logprobs is not supported by this server yet.", "top_logprobs",
-                          "unsupported_parameter")  # fmt: skip
     for index, value in enumerate(request.include or ()):
         if value not in SUPPORTED_INCLUDES:
             raise bad_request(f"include value '{value}' is not supported by this server.",
@@ -298,6 +309,8 @@ async def _run(
             parsed = parser.feed(token)
             if was_analysis or parser.current_channel == "analysis":
                 num_reasoning += 1
+            if parser.fed_content and isinstance(token, SampledToken):
+                events.add_logprobs(state, logprob_entry(token))
             for item in parsed:
                 for event in events.on_parse_event(state, item):
                     yield event
