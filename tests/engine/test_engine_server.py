@@ -87,6 +87,28 @@ def test_constrained_requests_in_one_batch(engine_and_client) -> None:
     assert sum(r.status == "completed" for r in responses) >= 4
 
 
+def test_logprobs_for_the_requests_in_a_batch_that_ask(engine_and_client) -> None:
+    """Six requests batched together, three asking for 0, 1 and 2 alternatives: those get an
+    entry per answer token, the others none."""
+    _, client = engine_and_client
+    base = {"model": "demo", "max_output_tokens": 24, "temperature": 0,
+            "extra_body": {"reasoning_budget": 0}}  # fmt: skip
+    asking = {"include": ["message.output_text.logprobs"]}
+    requests = [
+        {**base, "input": f"Count to {i}.", **({**asking, "top_logprobs": i // 2} if i % 2 else {})}
+        for i in range(6)
+    ]
+    for i, response in enumerate(_run_all(client, requests)):
+        (part,) = [item.content[0] for item in response.output if item.type == "message"]
+        if i % 2 == 0:
+            assert part.logprobs == []
+            continue
+        assert part.logprobs, f"request {i}: no entries"
+        for entry in part.logprobs:
+            assert len(entry.top_logprobs) == i // 2 and entry.logprob <= 0
+            assert all(top.logprob <= 0 for top in entry.top_logprobs)
+
+
 def test_streaming_disconnect_frees_the_request(engine_and_client) -> None:
     engine, client = engine_and_client
     stream = client.responses.create(model="demo", input="Talk.", stream=True,
