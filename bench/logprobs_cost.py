@@ -1,6 +1,7 @@
 """What returning log-probabilities adds to a decode step on the GPU: ``ModelRunner``'s
 ``launch_logprobs`` (the log-softmax normaliser, the drawn token's value and the top k of
-the 201,088-token vocabulary, per row asking) and its copy back with the tokens.
+the 201,088-token vocabulary, per row asking: the Triton kernels of kernels/_logprobs.py, and
+the torch reference they replaced) and its copy back with the tokens.
 
     python bench/logprobs_cost.py [--out bench/results/logprobs_cost.json]
 
@@ -21,7 +22,7 @@ import torch
 from triton.testing import do_bench
 
 from gptoss_serve.engine.model_runner import LogprobTensors, SampledTokens
-from gptoss_serve.kernels.sampling import sample_tokens, token_logprobs
+from gptoss_serve.kernels.sampling import sample_tokens, token_logprobs, token_logprobs_reference
 from kernels import write_results
 
 logger = logging.getLogger("bench.logprobs_cost")
@@ -48,6 +49,7 @@ def _measure(batch: int) -> dict[str, float]:
     logits = torch.randn(batch, VOCAB, device="cuda") * 3
     tokens = torch.randint(0, VOCAB, (batch,), device="cuda")
     row: dict[str, float] = {"batch": batch}
+    row["torch_k5_us"] = 1e3 * do_bench(lambda: token_logprobs_reference(logits, tokens, 5))
     for k in (0, 5, 20):
         row[f"launch_k{k}_us"] = 1e3 * do_bench(lambda k=k: token_logprobs(logits, tokens, k))
     for label, k in (("none", None), ("k5", 5)):
@@ -65,10 +67,11 @@ def main() -> None:
     for batch in args.batches:
         table.append(_measure(batch))
         logger.info("%s", table[-1])
-    sys.stdout.write(f"{'batch':>6} {'k=0':>8} {'k=5':>8} {'k=20':>8} {'step read':>10} "
-                     f"{'+ k=5':>8}  (us)\n")  # fmt: skip
+    sys.stdout.write(f"{'batch':>6} {'torch k=5':>10} {'k=0':>8} {'k=5':>8} {'k=20':>8} "
+                     f"{'step read':>10} {'+ k=5':>8}  (us)\n")  # fmt: skip
     for row in table:
-        sys.stdout.write(f"{row['batch']:>6} {row['launch_k0_us']:8.1f} {row['launch_k5_us']:8.1f} "
+        sys.stdout.write(f"{row['batch']:>6} {row['torch_k5_us']:10.1f} "
+                         f"{row['launch_k0_us']:8.1f} {row['launch_k5_us']:8.1f} "
                          f"{row['launch_k20_us']:8.1f} {row['sample_read_none_us']:10.1f} "
                          f"{row['sample_read_k5_us']:8.1f}\n")  # fmt: skip
     write_results(args.out, rows=table)

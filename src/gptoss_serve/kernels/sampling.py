@@ -9,6 +9,9 @@ disallowed logit into -inf before sampling.
 on CUDA the Triton kernels of ``_sampling.py`` (their docstring gives the algorithm), elsewhere
 ``sample_tokens_reference``. Both draw with Philox keyed by (seed, step), so a request's tokens
 are reproducible and independent of the batch it runs in.
+
+``token_logprobs`` gives the drawn tokens' log-probabilities and the most likely tokens: on
+CUDA the Triton kernels of ``_logprobs.py``, elsewhere ``token_logprobs_reference``.
 """
 
 from __future__ import annotations
@@ -130,14 +133,28 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The log-softmax of logits [S, V] (any float dtype; computed in fp32) at the drawn
     tokens, and its k largest values per row: (chosen [R], top_values [R, k], top_ids [R, k]
-    int64), most likely first. ``rows`` (int64 [R] on logits' device; None: all S) picks the
-    rows; tokens [R] are theirs. No host sync.
+    int64), most likely first (ties: the lowest id first). ``rows`` (int64 [R] on logits'
+    device; None: all S) picks the rows; tokens [R] are theirs. No host sync.
 
-    Only ``LOGPROB_ROWS`` rows at a time are held as fp32 temporaries (1,024 rows of the
-    201,088-token vocabulary would be 0.8 GB more at once)."""
+    On CUDA the Triton kernels of ``_logprobs.py``, elsewhere ``token_logprobs_reference``."""
     num_rows = logits.shape[0] if rows is None else rows.shape[0]
     if logits.dim() != 2 or tokens.shape != (num_rows,) or not 0 <= k <= logits.shape[1]:
         raise ValueError(f"logits {tuple(logits.shape)}, tokens {tuple(tokens.shape)}, k {k}")
+    if logits.is_cuda:
+        # Imported here: CPU installs may have no triton at all.
+        from gptoss_serve.kernels._logprobs import token_logprobs_triton  # noqa: PLC0415
+
+        return token_logprobs_triton(logits, tokens, k, rows)
+    return token_logprobs_reference(logits, tokens, k, rows)
+
+
+def token_logprobs_reference(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch, same contract as ``token_logprobs``. Only ``LOGPROB_ROWS`` rows at a time
+    are held as fp32 temporaries (1,024 rows of the 201,088-token vocabulary would be 0.8 GB
+    more at once)."""
+    num_rows = logits.shape[0] if rows is None else rows.shape[0]
     chosen = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     top_values = torch.empty((num_rows, k), dtype=torch.float32, device=logits.device)
     top_ids = torch.empty((num_rows, k), dtype=torch.int64, device=logits.device)
