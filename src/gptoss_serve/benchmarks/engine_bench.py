@@ -98,8 +98,13 @@ def prefill_ceiling_tok_s(config: ModelConfig, rates: DeviceRates = H200_RATES) 
 class Scenario:
     """Runs requests to completion on a fresh core and records when tokens arrived."""
 
-    def __init__(self, make_core: Callable[[], EngineCore], vocab_size: int, seed: int) -> None:
+    def __init__(
+        self, make_core: Callable[[], EngineCore], vocab_size: int, seed: int,
+        logprobs: int | None = None,
+    ) -> None:  # fmt: skip
+        """``logprobs``: each request's ``SamplingParams.logprobs`` (None: none asked)."""
         self.core = make_core()
+        self.logprobs = logprobs
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
         self.first_token_at: dict[str, float] = {}
@@ -109,7 +114,7 @@ class Scenario:
         # Random ids below 200000 (the real vocabulary's ordinary tokens): no shared prefix.
         prompt = [self.rng.randrange(min(self.vocab_size, 200_000)) for _ in range(prompt_len)]
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0,
-                                seed=self.rng.getrandbits(31))  # fmt: skip
+                                seed=self.rng.getrandbits(31), logprobs=self.logprobs)  # fmt: skip
         self.core.add_request(request_id, prompt, params)
         self.num_tokens[request_id] = 0
 
@@ -135,14 +140,16 @@ class Scenario:
 
 def decode_tok_s(
     make_core: Callable[[], EngineCore], config: ModelConfig, *, batch: int, context: int,
-    num_tokens: int, meter: PowerMeter | None = None,
+    num_tokens: int, meter: PowerMeter | None = None, logprobs: int | None = None,
 ) -> float:  # fmt: skip
     """Aggregate decode rate once every sequence has its first token (prefill excluded);
+    ``logprobs``: what every request asks for (None: no log-probabilities);
     ``meter`` reads the board's power state over the timed steps. The time is the steps'
     alone (``Scenario.run``'s): not the meter's start (NVML's init, its sampler thread) and
     stop (the thread's join, up to a sample's sleep), nor the core's close: 18-22 ms that had
     cost the batch-1 figure 3.6% (~0.55 s of steps; bench/RESULTS.md e38)."""
-    scenario = Scenario(make_core, config.vocab_size, seed=batch * 7919 + context)
+    scenario = Scenario(make_core, config.vocab_size, seed=batch * 7919 + context,
+                        logprobs=logprobs)  # fmt: skip
     for index in range(batch):
         scenario.add(f"decode-{index}", context, num_tokens)
     started = time.perf_counter()

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from gptoss_serve.config import MAX_LOGPROBS
+from gptoss_serve.kernels.fast_launch import launcher
 
 CHUNK = 1024  # tokens a program: 197 programs a row at V = 201088
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -116,11 +117,11 @@ def token_logprobs_triton(
     part_value = torch.empty((num_rows, num_chunks, max(k, 1)), dtype=torch.float32, device=device)
     part_id = torch.empty(part_value.shape, dtype=torch.int64, device=device)
     rounds = _rounds(k)
-    _chunk_kernel[(num_rows, num_chunks)](
+    launcher(_chunk_kernel)[(num_rows, num_chunks)](
         logits, logits.stride(0), rows, part_max, part_sum, part_value, part_id, vocab,
         num_chunks, k, CHUNK=chunk, ROUNDS=rounds,
     )  # fmt: skip
-    _combine_kernel[(num_rows,)](
+    launcher(_combine_kernel)[(num_rows,)](
         logits, logits.stride(0), rows, tokens, part_max, part_sum, part_value, part_id, chosen,
         top_values, top_ids, num_chunks, k, CHUNKS_BLOCK=triton.next_power_of_2(num_chunks),
         CANDIDATES_BLOCK=triton.next_power_of_2(num_chunks * max(rounds, 1)), ROUNDS=rounds,
