@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -15,6 +16,7 @@ from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
 from gptoss_serve.engine.client import EngineError
 from gptoss_serve.engine.cpu_engine import CpuEngine
 from gptoss_serve.harmony import adapter
+from gptoss_serve.model import generate as generate_module
 from gptoss_serve.model import load_model
 from gptoss_serve.model.generate import generate
 
@@ -59,6 +61,64 @@ def test_logprobs_are_the_models_log_softmax(model) -> None:
         values, top_ids = expected[row].topk(3)
         assert [t for t, _ in token.top] == top_ids.tolist() and token.top[0][0] == token
         assert [v for _, v in token.top] == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_a_prompt_prefilled_in_chunks_gives_the_same_tokens(model, monkeypatch) -> None:
+    prompt = list(range(100, 170))  # 70 tokens: chunks of 16, the last of 6
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    whole = list(generate(model, prompt, params))
+    monkeypatch.setattr(generate_module, "PREFILL_CHUNK", 16)
+    calls = []
+    original = generate_module.Generation.prefill_step
+
+    def counted(self) -> None:
+        calls.append(self._prefilled)
+        original(self)
+
+    monkeypatch.setattr(generate_module.Generation, "prefill_step", counted)
+    chunked = list(generate(model, prompt, params))
+    assert calls == [0, 16, 32, 48, 64]
+    assert chunked == whole
+    for a, b in zip(chunked, whole, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
+def test_a_long_prefill_lets_others_run_and_stops_when_cancelled(model, monkeypatch) -> None:
+    """Prefill chunks of 8: a 600-token prompt takes 75 passes of the worker. A short request
+    sent after it gets all its tokens meanwhile, and cancelling the long one stops its prefill
+    at the next chunk."""
+    monkeypatch.setattr(generate_module, "PREFILL_CHUNK", 8)
+    chunks: list[int] = []
+    original = generate_module.Generation.prefill_step
+
+    def counted(self) -> None:
+        if len(self._prompt) == 600:
+            chunks.append(self._prefilled)
+        original(self)
+
+    monkeypatch.setattr(generate_module.Generation, "prefill_step", counted)
+
+    async def main() -> None:
+        engine = CpuEngine(model, "tiny")
+        try:
+            long = asyncio.create_task(_collect(engine, "long", [7] * 600, GREEDY))
+            while not chunks:
+                await asyncio.sleep(0.001)
+            short = await _collect(engine, "short", [1, 2, 3], GREEDY)
+            assert len(short) == GREEDY.max_tokens and not long.done()
+            long.cancel()  # what a client that goes away does to its request
+            with contextlib.suppress(asyncio.CancelledError):
+                await long
+            for _ in range(500):
+                if not engine._active:
+                    break
+                await asyncio.sleep(0.01)
+            assert not engine._active
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+    assert len(chunks) < 600 // 8, "the cancelled prefill ran to its end"
 
 
 def test_closing_the_stream_aborts(model) -> None:

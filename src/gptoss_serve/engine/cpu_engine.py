@@ -1,9 +1,11 @@
 """The CPU engine: the plain-torch model in a worker thread, several requests interleaved.
 
 Requests are not batched (the plain-torch model runs one sequence per call); instead the
-worker round-robins: each pass prefills newly admitted requests and decodes one token for
-every active one, so concurrent requests all make progress. The event loop never runs the
-model: tokens cross back to it with ``call_soon_threadsafe``.
+worker round-robins: each pass runs one prefill chunk (model/generate.py's PREFILL_CHUNK
+tokens) of every request still prefilling and decodes one token for every other active one,
+so concurrent requests all make progress, and a request cancelled mid-prefill (its client
+went away) stops at its next chunk. The event loop never runs the model: tokens cross back
+to it with ``call_soon_threadsafe``.
 
 A request with a grammar (``params.grammar``) samples under its mask; the next mask is
 computed on a mask thread while the model runs the request's forward pass (constrained.py).
@@ -116,6 +118,9 @@ class CpuEngine:
                 if job.params.grammar is not None:
                     job.constraint = GrammarConstraint(job.params.grammar, self._mask_pool)
                 job.generation = Generation(self.model, job.prompt_ids, job.params, job.constraint)
+            if job.generation.is_prefilling:
+                job.generation.prefill_step()  # the other jobs run between the chunks
+                return
             token = job.generation.step()
         except Exception as error:  # one request fails; the engine and the others go on
             logger.exception("request %s failed", job.request_id)
