@@ -21,7 +21,7 @@ from gptoss_serve.harmony.conversation import (
 from gptoss_serve.kernels.sampling import sample
 from gptoss_serve.server import context_fit
 from gptoss_serve.server.constraints import MAX_ENUM_VALUES
-from gptoss_serve.server.protocol import MAX_SCHEMA_DEPTH, MAX_TOOLS
+from gptoss_serve.server.protocol import MAX_SCHEMA_DEPTH, MAX_TOOLS, NULL_MEANS_DEFAULT
 from gptoss_serve.server.render_workers import RENDER_IN_WORKER_CHARS
 from server_helpers import ScriptedEngine, harmony_tokens
 from test_server_errors import REPLY, assert_error, assert_healthy, make_client, with_base
@@ -68,6 +68,9 @@ def _json_format(schema: dict[str, Any], strict: bool = True) -> dict[str, Any]:
         # Harmony's renderer refuses JSON past 128 levels; jsonschema's check overflows the stack
         (with_base(tools=[_tool(0, _nested(60))]), "tools[0].parameters"),
         (with_base(text=_json_format(_nested(100))), "text.format.schema"),
+        # 2**70 was echoed back as max_output_tokens (past any 64-bit client's integer)
+        (with_base(max_output_tokens=1 << 70), "max_output_tokens"),
+        (with_base(max_output_tokens=1 << 31), "max_output_tokens"),
     ],
 )
 def test_was_a_server_error_now_a_400(client: TestClient, body: dict, param: str) -> None:
@@ -81,6 +84,23 @@ def test_the_limits_themselves_are_served(client: TestClient) -> None:
                      reasoning_budget=(1 << 31) - 1)  # fmt: skip
     response = client.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
+
+
+def test_null_is_the_default_where_the_sdk_allows_it(client: TestClient) -> None:
+    """The SDK types these fields as optional; a client that sends every field, unset ones as
+    null, used to get a 400 for each."""
+    body = with_base(**dict.fromkeys(NULL_MEANS_DEFAULT), max_output_tokens=(1 << 31) - 1)
+    response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert (data["store"], data["parallel_tool_calls"], data["truncation"]) == (
+        True,
+        True,
+        "disabled",
+    )
+    assert data["background"] is False and data["reasoning"]["effort"] == "medium"
+    retrieved = client.get(f"/v1/responses/{data['id']}")  # stored: store null is true
+    assert retrieved.status_code == 200
 
 
 def test_an_unsupported_include_quoting_a_lone_surrogate_is_a_400(client: TestClient) -> None:

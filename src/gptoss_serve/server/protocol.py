@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal
 
 from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from gptoss_serve.bounded_cache import bounded_cache
@@ -271,6 +279,16 @@ MAX_TOOLS = 128
 MAX_REASONING_BUDGET = (1 << 31) - 1
 
 
+# Fields the SDK types as optional (`null` allowed) that have a default here: `null` is that
+# default, as the official API takes it.
+NULL_MEANS_DEFAULT = frozenset(
+    {"background", "parallel_tool_calls", "reasoning", "store", "stream", "truncation"}
+)
+# The most output tokens a request may ask for: beyond it a count is no count (the context caps
+# every response far below), and 2**70 echoed back broke 64-bit clients.
+MAX_OUTPUT_TOKENS = (1 << 31) - 1
+
+
 class CreateResponseRequest(_Strict):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
@@ -281,7 +299,7 @@ class CreateResponseRequest(_Strict):
     parallel_tool_calls: bool = True
     text: TextConfig = Field(default_factory=TextConfig)
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
-    max_output_tokens: int | None = Field(default=None, ge=MIN_OUTPUT_TOKENS)
+    max_output_tokens: int | None = Field(default=None, ge=MIN_OUTPUT_TOKENS, le=MAX_OUTPUT_TOKENS)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -302,6 +320,13 @@ class CreateResponseRequest(_Strict):
     # begin; 0 means no reasoning. Without it, the server's budget for the reasoning effort
     # (capped at half of the output tokens) applies. Send it with the SDK's `extra_body`.
     reasoning_budget: int | None = Field(default=None, ge=0, le=MAX_REASONING_BUDGET)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_MEANS_DEFAULT):
+            return {k: v for k, v in data.items() if v is not None or k not in NULL_MEANS_DEFAULT}
+        return data
 
     @field_validator("metadata")
     @classmethod
