@@ -23,7 +23,7 @@ from gptoss_serve.server import context_fit
 from gptoss_serve.server.constraints import MAX_ENUM_VALUES
 from gptoss_serve.server.protocol import MAX_SCHEMA_DEPTH, MAX_TOOLS, NULL_MEANS_DEFAULT
 from gptoss_serve.server.render_workers import RENDER_IN_WORKER_CHARS
-from server_helpers import ScriptedEngine, harmony_tokens
+from server_helpers import TOOLS, ScriptedEngine, harmony_tokens
 from test_server_errors import REPLY, assert_error, assert_healthy, make_client, with_base
 
 
@@ -101,6 +101,38 @@ def test_null_is_the_default_where_the_sdk_allows_it(client: TestClient) -> None
     assert data["background"] is False and data["reasoning"]["effort"] == "medium"
     retrieved = client.get(f"/v1/responses/{data['id']}")  # stored: store null is true
     assert retrieved.status_code == 200
+
+
+def _call_and_output(**extra: Any) -> list[dict[str, Any]]:
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "12 C"}
+    return [{"role": "user", "content": "Weather?"}, {**call, **extra.get("call", {})},
+            {**output, **extra.get("output", {})}]  # fmt: skip
+
+
+def test_the_sdk_output_fields_of_calls_are_taken_back(client: TestClient) -> None:
+    """``input += response.output`` with the SDK's objects dumped: their caller, namespace and
+    async fields come back, null or a direct caller."""
+    fields = {"caller": {"type": "direct"}, "namespace": None}
+    items = _call_and_output(call={**fields, "async": False},
+                             output={**fields, "name": "get_weather"})  # fmt: skip
+    response = client.post("/v1/responses", json=with_base(input=items, tools=TOOLS))
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"call": {"namespace": "tools"}}, "input[1].namespace"),
+        ({"call": {"async": True}}, "input[1].async"),
+        ({"output": {"caller": {"type": "program", "caller_id": "p"}}}, "input[2].caller.type"),
+    ],
+)
+def test_calls_this_server_cannot_make_are_a_400(
+    client: TestClient, extra: dict, param: str
+) -> None:
+    body = with_base(input=_call_and_output(**extra), tools=TOOLS)
+    assert_error(client.post("/v1/responses", json=body), 400, param)
 
 
 def test_an_unsupported_include_quoting_a_lone_surrogate_is_a_400(client: TestClient) -> None:

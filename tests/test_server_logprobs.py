@@ -137,7 +137,7 @@ def test_without_the_include_there_are_none(
     [
         ({"top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
         ({"top_logprobs": -1}, "top_logprobs", "integer_below_min_value"),
-        ({"include": [*INCLUDE, "reasoning.encrypted_content"]}, "include[1]",
+        ({"include": [*INCLUDE, "file_search_call.results"]}, "include[1]",
          "unsupported_parameter"),
     ],
 )  # fmt: skip

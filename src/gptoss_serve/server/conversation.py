@@ -28,6 +28,7 @@ from gptoss_serve.server.protocol import (
     ItemReference,
     ReasoningItem,
 )
+from gptoss_serve.server.reasoning_seal import unseal
 
 _KINDS = {
     "message": Message,
@@ -88,7 +89,7 @@ class InputConverter:
             self.items.append(FunctionCallOutput(raw.call_id, name, raw.text()))
             self.listed.append(_listed(raw, "fco"))
         elif isinstance(raw, ReasoningItem):
-            self.items.append(Reasoning(raw.text()))
+            self.items.append(Reasoning(_reasoning_text(raw, param)))
             self.listed.append(_listed(raw, "rs"))
 
     def _add_message(self, raw: InputMessage, param: str) -> None:
@@ -105,6 +106,19 @@ class InputConverter:
             channel = "commentary" if raw.phase == "commentary" else "final"
         self.items.append(Message(raw.role, raw.text(), channel))
         self.listed.append(_listed_message(raw))
+
+
+def _reasoning_text(raw: ReasoningItem, param: str) -> str:
+    """A reasoning item's text: its content's, or else the text its encrypted_content holds."""
+    if raw.content or raw.encrypted_content is None:
+        return raw.text()
+    text = unseal(raw.encrypted_content)
+    if text is None:
+        raise bad_request(
+            "The encrypted content of this reasoning item could not be decoded: it was not "
+            "made by this server.", f"{param}.encrypted_content", "invalid_encrypted_content",
+        )  # fmt: skip
+    return text
 
 
 def _parse_stored_item(stored: dict[str, Any]) -> Any:
@@ -124,7 +138,7 @@ def _stored_part(part: dict[str, Any]) -> dict[str, Any]:
 
 
 def _listed(raw: Any, prefix: str) -> dict[str, Any]:
-    data = raw.model_dump(mode="json", exclude_none=True)
+    data = raw.model_dump(mode="json", exclude_none=True, by_alias=True)
     data["id"] = raw.id or new_id(prefix)
     data["status"] = raw.status or "completed"
     return data

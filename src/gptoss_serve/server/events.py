@@ -26,6 +26,7 @@ from gptoss_serve.server.objects import (
     ResponseObject,
     new_id,
 )
+from gptoss_serve.server.reasoning_seal import seal
 
 Event = dict[str, Any]
 FUNCTIONS_PREFIX = "functions."
@@ -55,6 +56,8 @@ class StreamState:
     response: ResponseObject
     sequence_number: int = 0
     current: OpenItem | None = None
+    # Reasoning items carry their text as encrypted_content too (reasoning_seal.py).
+    seal_reasoning: bool = False
     # Log-probabilities of content tokens whose text no delta has carried yet (a token may
     # end inside a UTF-8 sequence: its text comes with the next token's delta).
     pending_logprobs: list[dict[str, Any]] = field(default_factory=list)
@@ -162,7 +165,7 @@ def _close(state: StreamState, status: str) -> list[Event]:
     if item.kind == "message":  # tokens of a UTF-8 sequence the end cut off
         item.logprobs += state.pending_logprobs
     state.pending_logprobs = []
-    final = _item_object(item, status, with_part=True)
+    final = _item_object(item, status, with_part=True, sealed=state.seal_reasoning)
     state.response.output[item.output_index] = final
     events: list[Event] = []
     if item.kind == "function_call":
@@ -242,8 +245,9 @@ def _part(item: OpenItem) -> OutputTextPart | ReasoningTextPart:
     return OutputTextPart(text=item.text, logprobs=item.logprobs)
 
 
-def _item_object(item: OpenItem, status: str, *, with_part: bool):
-    """The item as it appears in output_item.added (no parts yet) or done / the final object."""
+def _item_object(item: OpenItem, status: str, *, with_part: bool, sealed: bool = False):
+    """The item as it appears in output_item.added (no parts yet) or done / the final object
+    (``sealed``: a reasoning item with its encrypted_content)."""
     if item.kind == "function_call":
         return FunctionCallOutputObject(
             id=item.item_id,
@@ -254,7 +258,9 @@ def _item_object(item: OpenItem, status: str, *, with_part: bool):
         )
     if item.kind == "reasoning":
         content = [ReasoningTextPart(text=item.text)] if with_part else []
-        return ReasoningOutput(id=item.item_id, content=content, status=status)
+        encrypted = seal(item.text) if with_part and sealed else None
+        return ReasoningOutput(id=item.item_id, content=content, status=status,
+                               encrypted_content=encrypted)  # fmt: skip
     content = [_part(item)] if with_part else []
     phase = "commentary" if item.channel == "commentary" else "final_answer"
     return MessageOutput(id=item.item_id, content=content, status=status, phase=phase)

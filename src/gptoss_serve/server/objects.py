@@ -43,6 +43,8 @@ class ReasoningOutput(BaseModel):
     id: str
     summary: list[Any] = Field(default_factory=list)
     content: list[ReasoningTextPart] = Field(default_factory=list)
+    # With include reasoning.encrypted_content (server/reasoning_seal.py), else null.
+    encrypted_content: str | None = None
     status: ItemStatus = "completed"
 
 

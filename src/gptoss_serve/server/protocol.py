@@ -71,6 +71,10 @@ class InputMessage(_Strict):
         return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
 
 
+class CallerDirect(_Strict):
+    type: Literal["direct"]
+
+
 class FunctionCallItem(_Strict):
     type: Literal["function_call"]
     id: str | None = None
@@ -78,6 +82,11 @@ class FunctionCallItem(_Strict):
     name: str = Field(min_length=1)
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+    # What the SDK's output objects carry back (`input += response.output`, dumped with their
+    # nulls): a direct call, in no namespace, not async, the only kind this server makes.
+    caller: CallerDirect | None = None
+    namespace: None = None
+    async_: Literal[False] | None = Field(default=None, alias="async")
 
 
 class FunctionCallOutputItem(_Strict):
@@ -86,6 +95,9 @@ class FunctionCallOutputItem(_Strict):
     call_id: str = Field(min_length=1)
     output: str | list[InputText]
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+    caller: CallerDirect | None = None
+    name: str | None = None  # the call's, found by call_id either way
+    namespace: None = None
 
     def text(self) -> str:
         if isinstance(self.output, str):

@@ -54,10 +54,11 @@ from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
-# The answer's log-probabilities (output_text parts and their deltas); encrypted reasoning is
-# not produced (the stored conversation carries the reasoning: previous_response_id).
+# The answer's log-probabilities (output_text parts and their deltas), and the reasoning items'
+# encrypted_content (server/reasoning_seal.py: what a stateless client sends back).
 OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
-SUPPORTED_INCLUDES: frozenset[str] = frozenset({OUTPUT_TEXT_LOGPROBS})
+REASONING_ENCRYPTED_CONTENT = "reasoning.encrypted_content"
+SUPPORTED_INCLUDES = frozenset({OUTPUT_TEXT_LOGPROBS, REASONING_ENCRYPTED_CONTENT})
 
 
 @dataclass
@@ -71,7 +72,8 @@ class Prepared:
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
-        self.state = events.StreamState(self.response)
+        sealed = REASONING_ENCRYPTED_CONTENT in (self.request.include or ())
+        self.state = events.StreamState(self.response, seal_reasoning=sealed)
 
 
 @dataclass(frozen=True)
