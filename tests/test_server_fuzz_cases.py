@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from openai.types.responses import Response
 
 from gptoss_serve.config import GREEDY_BELOW_TEMPERATURE, SamplingParams
 from gptoss_serve.harmony.conversation import (
@@ -101,6 +102,16 @@ def test_null_is_the_default_where_the_sdk_allows_it(client: TestClient) -> None
     assert data["background"] is False and data["reasoning"]["effort"] == "medium"
     retrieved = client.get(f"/v1/responses/{data['id']}")  # stored: store null is true
     assert retrieved.status_code == 200
+
+
+def test_the_sdks_newer_harmless_fields_are_taken(client: TestClient) -> None:
+    body = with_base(max_tool_calls=3, prompt_cache_retention="24h")
+    response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["max_tool_calls"] == 3
+    Response.model_validate(response.json())
+    assert_error(client.post("/v1/responses", json=with_base(max_tool_calls=-1)), 400,
+                 "max_tool_calls")  # fmt: skip
 
 
 def _call_and_output(**extra: Any) -> list[dict[str, Any]]:

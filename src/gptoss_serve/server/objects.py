@@ -109,6 +109,7 @@ class ResponseObject(BaseModel):
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     model: str
     output: list[OutputItem] = Field(default_factory=list)

@@ -327,7 +327,10 @@ class CreateResponseRequest(_Strict):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     stream_options: StreamOptions | None = None
+    # A limit on calls to built-in tools, and this server runs none: honoured as it is (echoed).
+    max_tool_calls: int | None = Field(default=None, ge=0, le=MAX_OUTPUT_TOKENS)
     # Extension (not in the official API): most tokens of analysis text before the answer must
     # begin; 0 means no reasoning. Without it, the server's budget for the reasoning effort
     # (capped at half of the output tokens) applies. Send it with the SDK's `extra_body`.

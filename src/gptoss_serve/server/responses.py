@@ -165,6 +165,7 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
         status="in_progress",
         instructions=request.instructions,
         max_output_tokens=request.max_output_tokens,
+        max_tool_calls=request.max_tool_calls,
         metadata=request.metadata or {},
         model=draft.model_name,
         parallel_tool_calls=request.parallel_tool_calls,
