@@ -8,6 +8,7 @@ never ambiguous and bf16 comparisons are meaningful: what differs is rounding on
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import pytest
@@ -97,14 +98,18 @@ def test_async_scheduling_feeds_the_device_tokens(unambiguous_dir: Path) -> None
         assert torch.equal(torch.stack(async_rows[request_id]), torch.stack(rows[request_id]))
 
 
-def test_logprobs_on_the_graph_path(unambiguous_dir: Path) -> None:
-    """Rows 1 and 3 of 5 ask for log-probabilities (4 and 0 alternatives) in graph-replayed,
+def test_logprobs_on_the_graph_path(
+    unambiguous_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rows 1 and 3 of 5 ask for log-probabilities (3 and 0 alternatives) in graph-replayed,
     async-scheduled steps: the same tokens as without, and the log-softmax of the very logits
-    each token was drawn from (a graph's output buffer is rewritten by the next replay)."""
+    each token was drawn from (a graph's output buffer is rewritten by the next replay). The
+    warm-up compiled their kernels: none is compiled late."""
     make_core, runner, _ = _engine(unambiguous_dir, torch.bfloat16, True)
+    caplog.set_level(logging.WARNING, logger="gptoss_serve.engine.compile_watch")
     prompts = _prompts(4096, 5, 40)
     run = run_greedy(make_core(), prompts, 12, runner)
-    wanted = dict(zip(prompts, (None, 4, None, 0, None), strict=True))
+    wanted = dict(zip(prompts, (None, 3, None, 0, None), strict=True))
     core = make_core()
     for request_id, prompt in prompts.items():
         params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=wanted[request_id])
@@ -124,6 +129,8 @@ def test_logprobs_on_the_graph_path(unambiguous_dir: Path) -> None:
             values, ids = expected.topk(k)
             assert [t for t, _ in token.top] == ids.tolist()
             assert [v for _, v in token.top] == pytest.approx(values.tolist(), abs=1e-4)
+    late = [r.getMessage() for r in caplog.records if "_logprob_" in r.getMessage()]
+    assert not late, late
 
 
 def test_fp32_verification_mode_on_cuda_matches_the_plain_model(unambiguous_dir: Path) -> None:

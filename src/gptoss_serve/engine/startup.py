@@ -39,6 +39,7 @@ from gptoss_serve.engine.scheduler import Scheduler
 from gptoss_serve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from gptoss_serve.engine.weights import ModelWeights
 from gptoss_serve.kernels.kv_dtype import cache_dtype
+from gptoss_serve.kernels.sampling import LOGPROB_BUCKETS, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +303,10 @@ def warm_up(runner: ModelRunner, scheduler: SchedulerConfig, plan: KvCachePlan) 
         for top_p in (0.9, 1.0):
             batch = SamplingBatch([1.0] * rows, [top_p] * rows, [0] * rows, [0] * rows)
             runner.sample(logits, batch, None)
+    # Log-probabilities (a request's top_logprobs): a compiled variant per bucket of k.
+    logits = torch.zeros(1, vocab, dtype=torch.float32, device=runner.device)
+    for k in LOGPROB_BUCKETS:
+        token_logprobs(logits, torch.zeros(1, dtype=torch.int64, device=runner.device), k)
     torch.cuda.synchronize(runner.device)
     logger.info("warm-up of the eager step shapes: %.1fs", time.perf_counter() - started)
 

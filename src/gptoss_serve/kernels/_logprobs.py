@@ -21,16 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from gptoss_serve.config import MAX_LOGPROBS
 from gptoss_serve.kernels.fast_launch import launcher
+from gptoss_serve.kernels.sampling import LOGPROB_BUCKETS
 
 CHUNK = 1024  # tokens a program: 197 programs a row at V = 201088
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
-def _chunk_kernel(
+# k is not specialised (0 and 16 would be "divisible by 16", 1 a constant): one compiled
+# variant a ROUNDS bucket, which the engine's warm-up compiles (startup.warm_up).
+@triton.jit(do_not_specialize=["k"])
+def _logprob_chunk_kernel(
     logits_ptr, stride_row, rows_ptr, part_max_ptr, part_sum_ptr, part_value_ptr, part_id_ptr,
     vocab, num_chunks, k, CHUNK: tl.constexpr, ROUNDS: tl.constexpr,
 ):  # fmt: skip
@@ -52,8 +54,8 @@ def _chunk_kernel(
         x = tl.where(tl.arange(0, CHUNK) == best, -float("inf"), x)
 
 
-@triton.jit
-def _combine_kernel(
+@triton.jit(do_not_specialize=["k"])
+def _logprob_combine_kernel(
     logits_ptr, stride_row, rows_ptr, tokens_ptr, part_max_ptr, part_sum_ptr, part_value_ptr,
     part_id_ptr, chosen_ptr, top_value_ptr, top_id_ptr, num_chunks, k,
     CHUNKS_BLOCK: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr, ROUNDS: tl.constexpr,
@@ -84,12 +86,9 @@ def _combine_kernel(
 
 
 def _rounds(k: int) -> int:
-    """The argmax rounds compiled for k alternatives: k rounded up to 0, 1, 2, 4, 8, 16 or
-    MAX_LOGPROBS, so that at most 7 variants of each kernel are ever compiled (a few hundred
-    ms each, at a request's first use of its bucket)."""
-    if k <= 0:
-        return 0
-    return min(triton.next_power_of_2(k), MAX_LOGPROBS) if k <= 16 else MAX_LOGPROBS
+    """The argmax rounds compiled for k alternatives: the smallest of ``LOGPROB_BUCKETS`` that
+    holds k, so that at most 7 variants of each kernel are ever compiled."""
+    return next(bucket for bucket in LOGPROB_BUCKETS if bucket >= k)
 
 
 def token_logprobs_triton(
@@ -117,11 +116,11 @@ def token_logprobs_triton(
     part_value = torch.empty((num_rows, num_chunks, max(k, 1)), dtype=torch.float32, device=device)
     part_id = torch.empty(part_value.shape, dtype=torch.int64, device=device)
     rounds = _rounds(k)
-    launcher(_chunk_kernel)[(num_rows, num_chunks)](
+    launcher(_logprob_chunk_kernel)[(num_rows, num_chunks)](
         logits, logits.stride(0), rows, part_max, part_sum, part_value, part_id, vocab,
         num_chunks, k, CHUNK=chunk, ROUNDS=rounds,
     )  # fmt: skip
-    launcher(_combine_kernel)[(num_rows,)](
+    launcher(_logprob_combine_kernel)[(num_rows,)](
         logits, logits.stride(0), rows, tokens, part_max, part_sum, part_value, part_id, chosen,
         top_values, top_ids, num_chunks, k, CHUNKS_BLOCK=triton.next_power_of_2(num_chunks),
         CANDIDATES_BLOCK=triton.next_power_of_2(num_chunks * max(rounds, 1)), ROUNDS=rounds,

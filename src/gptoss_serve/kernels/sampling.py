@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gptoss_serve.config import GREEDY_BELOW_TEMPERATURE
+from gptoss_serve.config import GREEDY_BELOW_TEMPERATURE, MAX_LOGPROBS
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -171,6 +171,9 @@ def token_logprobs_reference(
 
 
 LOGPROB_ROWS = 32
+# The Triton kernels' compiled variants: k is rounded up to one of these (the engine's warm-up
+# runs each).
+LOGPROB_BUCKETS = (0, 1, 2, 4, 8, 16, MAX_LOGPROBS)
 
 
 def needs_nucleus(temperature: list[float], top_p: list[float]) -> bool:
