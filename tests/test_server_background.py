@@ -96,6 +96,14 @@ def test_a_background_stream_is_taken_up_again_after_the_connection_drops() -> N
     assert replay == first + rest
     assert rest[-1]["type"] == "response.completed"
     assert rest[-1]["response"] == stored and stored["status"] == "completed"
+    with _serving(script, 0.0) as (url, _, _engine):
+        done = httpx.post(f"{url}/v1/responses", json={**payload, "stream": False}).json()
+        path = f"{url}/v1/responses/{done['id']}"
+        _until(lambda: httpx.get(path).json()["status"] == "completed")
+        caught_up = httpx.get(path, params={"stream": "true", "starting_after": len(numbers) - 1})
+        past = httpx.get(path, params={"stream": "true", "starting_after": len(numbers)})
+    assert caught_up.status_code == 200 and caught_up.text == ""  # nothing after the last
+    assert past.status_code == 400 and past.json()["error"]["param"] == "starting_after"
 
 
 def test_cancel_stops_a_background_response() -> None:

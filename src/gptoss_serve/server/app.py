@@ -233,6 +233,10 @@ def _get_response(
             message = ("Only a background response's events can be streamed again (and only "
                        "by the server process that ran it).")  # fmt: skip
             raise bad_request(message, "stream")
+        last = len(background.events) - 1
+        if background.done and after > last:  # a running one's later events are yet to come
+            raise bad_request(f"starting_after {after} is past this response's last event, "
+                              f"sequence number {last}.", "starting_after")  # fmt: skip
         return _event_stream(background.follow(after))
     if background is not None and not background.done:
         return JSONResponse(background.snapshot())
