@@ -7,6 +7,7 @@ test takes the demo model's through the SDK.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,28 @@ def test_the_demo_models_logprobs_through_the_sdk(demo_client: openai.OpenAI, st
         streamed = [(e.token, e.logprob) for d in deltas for e in d.logprobs]
         assert streamed == [(e.token, e.logprob) for e in part.logprobs][: len(streamed)]
         assert len(streamed) >= len(part.logprobs) - 3
+
+
+def test_a_background_response_keeps_its_logprobs(scripted_engine: ScriptedEngine) -> None:
+    """Stored, replayed from its events and continued: the entries survive each."""
+    scripted_engine.queue(
+        harmony_tokens(REASONING_THEN_FINAL), harmony_tokens(REASONING_THEN_FINAL)
+    )
+    app = create_app(scripted_engine, ResponseStore(":memory:"), ServerConfig())
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        created = client.responses.create(model="demo", input="Hi", background=True,
+                                          include=INCLUDE, top_logprobs=1)  # fmt: skip
+        for _ in range(500):
+            done = client.responses.retrieve(created.id)
+            if done.status == "completed":
+                break
+            time.sleep(0.01)
+        replay = list(client.responses.retrieve(created.id, stream=True))
+        follow_up = client.responses.create(model="demo", input="More", include=INCLUDE,
+                                            previous_response_id=created.id)  # fmt: skip
+    expected = _expected(REASONING_THEN_FINAL, "Hello there, friend! 👋", 1)
+    assert done.model_dump(mode="json")["output"][1]["content"][0]["logprobs"] == expected
+    deltas = [e for e in replay if e.type == "response.output_text.delta"]
+    assert [entry.token for d in deltas for entry in d.logprobs] == [e["token"] for e in expected]
+    assert follow_up.output[1].content[0].logprobs  # the continued turn has its own
