@@ -1,6 +1,9 @@
+import pickle
+
 import pytest
 import torch
 
+from gptoss_serve.config import SampledToken
 from gptoss_serve.kernels.sampling import (
     allowed_tokens,
     apply_token_bitmask,
@@ -112,3 +115,10 @@ def test_token_logprobs_are_the_log_softmax_in_blocks_of_rows(dtype: torch.dtype
     assert chosen.shape == (0,) and values.shape == ids.shape == (0, 2)
     with pytest.raises(ValueError):
         token_logprobs(logits, tokens[:3], 2)
+
+
+def test_a_sampled_token_is_an_int_with_its_logprobs() -> None:
+    token = SampledToken(7, -0.5, ((7, -0.5), (3, -1.5)))
+    assert token == 7 and token in {7} and int(token) == 7 and f"{token}" == "7"
+    copy = pickle.loads(pickle.dumps(token))
+    assert (copy, copy.logprob, copy.top) == (7, -0.5, ((7, -0.5), (3, -1.5)))

@@ -328,6 +328,9 @@ class SampledToken(int):
         token.top = top
         return token
 
+    def __reduce__(self) -> tuple:  # int's own would rebuild it without its fields
+        return SampledToken, (int(self), self.logprob, self.top)
+
 
 @dataclass(frozen=True)
 class ServerConfig:
