@@ -90,7 +90,8 @@ def sample(
         # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         # (a top_p under fp32's range compares as 0 with the top token's 0 before it)
-        dropped = (before >= top_p) & (torch.arange(before.numel()) > 0)
+        dropped = before >= top_p
+        dropped[0] = False
         sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
