@@ -13,7 +13,7 @@ import torch
 
 from gptoss_serve.config import SampledToken, SamplingParams
 from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
-from gptoss_serve.engine.client import EngineError
+from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.engine.cpu_engine import CpuEngine
 from gptoss_serve.harmony import adapter
 from gptoss_serve.model import generate as generate_module
@@ -119,6 +119,27 @@ def test_a_long_prefill_lets_others_run_and_stops_when_cancelled(model, monkeypa
 
     asyncio.run(main())
     assert len(chunks) < 600 // 8, "the cancelled prefill ran to its end"
+
+
+def test_a_context_cap_ends_the_output_and_refuses_longer_prompts(model) -> None:
+    """--max-model-len on the CPU engine: prompt + output stop at the cap."""
+
+    async def main() -> tuple[list[int], EngineInfo]:
+        engine = CpuEngine(model, "tiny", max_context_tokens=40)
+        try:
+            long = SamplingParams(max_tokens=100, temperature=0.0)
+            tokens = await _collect(engine, "r", list(range(1, 31)), long)
+            with pytest.raises(EngineError, match="does not fit"):
+                await _collect(engine, "s", list(range(1, 41)), long)
+            return tokens, engine.info
+        finally:
+            await engine.close()
+
+    tokens, info = asyncio.run(main())
+    assert info.max_context_tokens == 40 and len(tokens) == 10
+    wide = CpuEngine(model, "tiny", max_context_tokens=10**9)  # at most the model's
+    assert wide.info.max_context_tokens == model.config.max_position_embeddings
+    asyncio.run(wide.close())
 
 
 def test_closing_the_stream_aborts(model) -> None:

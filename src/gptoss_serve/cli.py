@@ -462,7 +462,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} needs the GPU engine")
         model = _load(args)
         name = "demo" if args.model == "demo" else Path(args.model).resolve().name
-        engine = CpuEngine(model, name, max_active=args.max_concurrent)
+        engine = CpuEngine(model, name, max_active=args.max_concurrent,
+                           max_context_tokens=args.max_model_len)  # fmt: skip
     app = create_app(engine, ResponseStore(config.store_path), config)
     logger.warning("serving %s on http://%s:%d (store: %s)", name, args.host, args.port, store_path)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower())

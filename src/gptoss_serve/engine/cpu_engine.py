@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -42,11 +43,17 @@ class _Job(TokenStream):
 class CpuEngine:
     """An ``EngineClient`` over the plain-torch model (CPU or a single CUDA device)."""
 
-    def __init__(self, model: GptOssForCausalLM, model_name: str, *, max_active: int = 8) -> None:
+    def __init__(
+        self, model: GptOssForCausalLM, model_name: str, *, max_active: int = 8,
+        max_context_tokens: int | None = None,
+    ) -> None:  # fmt: skip
+        """``max_context_tokens``: prompt + output of one request (`--max-model-len`), at most
+        the model's context (the default)."""
         self.model = model
+        context = model.config.max_position_embeddings
         self.info = EngineInfo(
             model_name=model_name,
-            max_context_tokens=model.config.max_position_embeddings,
+            max_context_tokens=min(context, max_context_tokens or context),
             vocab_size=model.config.vocab_size,
             created_at=int(time.time()),
         )
@@ -64,6 +71,12 @@ class CpuEngine:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[int]:
+        room = self.info.max_context_tokens - len(prompt_ids)
+        if room < 1:
+            raise EngineError(f"prompt of {len(prompt_ids)} tokens does not fit the context "
+                              f"({self.info.max_context_tokens})")  # fmt: skip
+        if params.max_tokens > room:  # the output stops where the context ends
+            params = dataclasses.replace(params, max_tokens=room)
         job = _Job.open(request_id, prompt_ids, params)
         with self._condition:
             if self._is_stopped:
