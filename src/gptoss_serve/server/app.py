@@ -26,13 +26,14 @@ from gptoss_serve.server.objects import (
     DeletedResponse,
     ErrorResponse,
     InputItemList,
+    InputTokenCount,
     ModelList,
     ModelObject,
     ResponseObject,
 )
-from gptoss_serve.server.protocol import CreateResponseRequest
+from gptoss_serve.server.protocol import CreateResponseRequest, InputTokenCountRequest
 from gptoss_serve.server.render_workers import RenderWorkers
-from gptoss_serve.server.responses import Prepared, prepare, run
+from gptoss_serve.server.responses import Prepared, count_input_tokens, prepare, run
 from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,14 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             logger.info("response %s: the client left; generation stopped", prepared.response.id)
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         return JSONResponse(prepared.response.dump())
+
+    @app.post("/v1/responses/input_tokens", response_model=InputTokenCount,
+              responses={**_ERRORS, 413: {"model": ErrorResponse}})  # fmt: skip
+    async def count_tokens(body: InputTokenCountRequest) -> InputTokenCount:
+        request = body.as_create_request(engine.info.model_name)
+        _check_previous_ended(runs, request.previous_response_id)
+        count = await count_input_tokens(request, engine, store, config, renderers)
+        return InputTokenCount(input_tokens=count)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
     async def get_response(
@@ -135,6 +144,13 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             has_more=len(items) > limit,
         )
 
+    _add_service_routes(app, model, metrics)
+    return app
+
+
+def _add_service_routes(app: FastAPI, model: ModelObject, metrics: ServerMetrics) -> None:
+    """The model list, the Prometheus metrics and the liveness check."""
+
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
         return ModelList(data=[model])
@@ -153,8 +169,6 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     @app.get("/healthz")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
-
-    return app
 
 
 async def _shut_down(

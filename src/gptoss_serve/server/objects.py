@@ -133,6 +133,11 @@ class ResponseObject(BaseModel):
         return self.model_dump(mode="json", by_alias=True)
 
 
+class InputTokenCount(BaseModel):
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"

@@ -357,3 +357,27 @@ class CreateResponseRequest(_Strict):
             if len(item) > 512:
                 raise ValueError(f"value of {key!r} is longer than 512 characters")
         return value
+
+
+class InputTokenCountRequest(_Strict):
+    """``POST /v1/responses/input_tokens``: the fields of a create request that make the prompt,
+    each optional (``model``: the served one). ``conversation`` and ``personality`` are not
+    served here (a 400 naming them, as unknown fields)."""
+
+    model: str | None = Field(default=None, min_length=1)
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    tools: list[FunctionToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+    def as_create_request(self, served_model: str) -> CreateResponseRequest:
+        """The create request these fields make (defaults where they are not given)."""
+        fields = self.model_dump(by_alias=True, exclude_none=True)
+        fields["model"] = self.model or served_model
+        fields.setdefault("input", [])
+        return CreateResponseRequest.model_validate(fields)

@@ -99,13 +99,30 @@ async def prepare(
     gets the GIL (context_fit.py); a prompt of over 32k characters is rendered in a worker
     process, since the renderer holds the GIL throughout (render_workers.py)."""
     draft = begin(request, engine, store, config)
-    render, truncation, context = draft.render, request.truncation, draft.context
+    return finish(draft, config, await _fit(draft, renderers))
+
+
+async def count_input_tokens(
+    request: CreateResponseRequest,
+    engine: EngineClient,
+    store: ResponseStore,
+    config: ServerConfig,
+    renderers: RenderWorkers,
+) -> int:
+    """The tokens of the prompt ``request`` makes (after ``truncation: auto`` dropped what it
+    must): ``POST /v1/responses/input_tokens``. Raises APIError as ``prepare`` does."""
+    prompt_ids, _ = await _fit(begin(request, engine, store, config), renderers)
+    return len(prompt_ids)
+
+
+async def _fit(draft: Draft, renderers: RenderWorkers) -> tuple[list[int], RenderRequest]:
+    """The draft's prompt fitted to the context (``context_fit``)."""
+    render, truncation, context = draft.render, draft.request.truncation, draft.context
     if context_fit.large_input(render.items):
         bounds = await asyncio.to_thread(context_fit.token_bounds, render.items, context)
     else:
         bounds = context_fit.token_bounds(render.items, context)
-    fitted = await renderers.fit_context(render, truncation, context, bounds)
-    return finish(draft, config, fitted)
+    return await renderers.fit_context(render, truncation, context, bounds)
 
 
 def begin(
