@@ -50,6 +50,12 @@ def test_the_count_is_the_prompt_a_create_runs(
     assert len(scripted_engine.prompts) == 2  # counting ran nothing
 
 
+def test_null_fields_are_not_given(scripted_client: TestClient) -> None:
+    nulls = dict.fromkeys(("model", "instructions", "tools", "tool_choice", "text", "reasoning",
+                           "parallel_tool_calls", "previous_response_id", "truncation"))  # fmt: skip
+    assert _count(scripted_client, input="Hi", **nulls) == _count(scripted_client, input="Hi")
+
+
 def test_truncation_and_refusals(scripted_client: TestClient) -> None:
     long = [{"role": "user", "content": "word " * 40_000} for _ in range(4)]  # ~160k tokens
     refused = scripted_client.post(COUNT, json={"input": long})

@@ -376,8 +376,10 @@ class InputTokenCountRequest(_Strict):
     truncation: Literal["auto", "disabled"] | None = None
 
     def as_create_request(self, served_model: str) -> CreateResponseRequest:
-        """The create request these fields make (defaults where they are not given)."""
-        fields = self.model_dump(by_alias=True, exclude_none=True)
+        """The create request these fields make (defaults where they are null or not given).
+        Built from the values validated here, not validated again: its types are the same."""
+        fields = {name: getattr(self, name) for name in self.model_fields_set}
+        fields = {name: value for name, value in fields.items() if value is not None}
         fields["model"] = self.model or served_model
         fields.setdefault("input", [])
-        return CreateResponseRequest.model_validate(fields)
+        return CreateResponseRequest.model_construct(**fields)
