@@ -51,8 +51,9 @@ def test_the_count_is_the_prompt_a_create_runs(
 
 
 def test_null_fields_are_not_given(scripted_client: TestClient) -> None:
-    nulls = dict.fromkeys(("model", "instructions", "tools", "tool_choice", "text", "reasoning",
-                           "parallel_tool_calls", "previous_response_id", "truncation"))  # fmt: skip
+    names = ("model", "instructions", "tools", "tool_choice", "text", "reasoning",
+             "parallel_tool_calls", "previous_response_id", "truncation")  # fmt: skip
+    nulls = dict.fromkeys(names)
     assert _count(scripted_client, input="Hi", **nulls) == _count(scripted_client, input="Hi")
 
 
