@@ -81,12 +81,8 @@ def vocabulary() -> Vocabulary:
     special = {text: enc.encode(text, allowed_special="all")[0] for text in enc.special_tokens_set}
     special_ids = frozenset(special.values())
     size = max(special_ids) + 1  # the special tokens close the o200k_harmony id range
-    # The library's public decode is lossy (text); its inner object gives the raw bytes.
-    decode_bytes = enc._inner.decode_bytes
     ordinary = {
-        bytes(decode_bytes([token_id])): token_id
-        for token_id in range(size)
-        if token_id not in special_ids
+        _raw_bytes(token_id): token_id for token_id in range(size) if token_id not in special_ids
     }
     return Vocabulary(ordinary, special, size)
 
@@ -102,6 +98,10 @@ def assistant_stop_token_ids() -> tuple[int, ...]:
 @functools.lru_cache(maxsize=1 << 16)
 def token_bytes(token_id: int) -> bytes:
     """One token's bytes (a special token's: its text); a part of a UTF-8 sequence as it is."""
+    return _raw_bytes(token_id)
+
+
+def _raw_bytes(token_id: int) -> bytes:
     # The library's public decode is lossy (text); its inner object gives the raw bytes.
     return bytes(encoding()._inner.decode_bytes([token_id]))
 
