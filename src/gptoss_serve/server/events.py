@@ -85,9 +85,16 @@ def start(state: StreamState) -> list[Event]:
     ]
 
 
+def takes_logprobs(state: StreamState) -> bool:
+    """Whether the open item is a message, the only kind whose tokens' log-probabilities go
+    out (reasoning and function-call text carries none)."""
+    return state.current is not None and state.current.kind == "message"
+
+
 def add_logprobs(state: StreamState, entry: dict[str, Any]) -> None:
-    """A content token's log-probabilities (``logprobs.logprob_entry``), fed before the parse
-    events of the same token: its message's next text delta carries them."""
+    """A content token of the open message's log-probabilities (``logprobs.logprob_entry``;
+    ``takes_logprobs`` holds), fed before the parse events of the same token: the message's
+    next text delta carries them."""
     state.pending_logprobs.append(entry)
 
 
@@ -106,7 +113,6 @@ def _open(state: StreamState, started: MessageStarted) -> list[Event]:
     kind = item_kind(started.channel, started.recipient)
     prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
     item = OpenItem(kind, len(state.response.output), new_id(prefix), started.channel)
-    state.pending_logprobs = []
     if kind == "function_call":
         recipient = started.recipient or ""
         item.name = recipient.removeprefix(FUNCTIONS_PREFIX)
@@ -145,7 +151,6 @@ def _delta(state: StreamState, text: str) -> list[Event]:
             )
         ]
     if item.kind == "reasoning":
-        state.pending_logprobs = []
         return [state.event("response.reasoning_text.delta", **_where(item), delta=text)]
     logprobs, state.pending_logprobs = state.pending_logprobs, []
     item.logprobs += logprobs
@@ -162,8 +167,7 @@ def _close(state: StreamState, status: str) -> list[Event]:
     if item is None:
         return []
     state.current = None
-    if item.kind == "message":  # tokens of a UTF-8 sequence the end cut off
-        item.logprobs += state.pending_logprobs
+    item.logprobs += state.pending_logprobs  # tokens of a UTF-8 sequence the end cut off
     state.pending_logprobs = []
     final = _item_object(item, status, with_part=True, sealed=state.seal_reasoning)
     state.response.output[item.output_index] = final

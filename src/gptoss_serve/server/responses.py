@@ -204,8 +204,8 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
 
 def wanted_logprobs(request: CreateResponseRequest) -> int | None:
     """The alternatives a token's log-probabilities come with, when the request includes the
-    answer's log-probabilities (``top_logprobs`` alone returns none, as the official API);
-    None: no log-probabilities."""
+    answer's log-probabilities (``top_logprobs`` alone returns none: the include is what asks
+    for them); None: no log-probabilities."""
     if OUTPUT_TEXT_LOGPROBS not in (request.include or ()):
         return None
     return request.top_logprobs or 0
@@ -329,7 +329,8 @@ async def _run(
             parsed = parser.feed(token)
             if was_analysis or parser.current_channel == "analysis":
                 num_reasoning += 1
-            if parser.fed_content and isinstance(token, SampledToken):
+            if (isinstance(token, SampledToken) and parser.fed_content
+                    and events.takes_logprobs(state)):  # fmt: skip
                 events.add_logprobs(state, logprob_entry(token))
             for item in parsed:
                 for event in events.on_parse_event(state, item):
