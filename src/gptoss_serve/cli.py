@@ -19,7 +19,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,7 @@ from gptoss_serve.kernels.kv_dtype import cache_dtype
 from gptoss_serve.model import load_model
 from gptoss_serve.model.generate import SamplingParams, generate
 from gptoss_serve.model.transformer import SUPPORTED_DTYPES
+from gptoss_serve.server.api_keys import API_KEY_ENV, check_api_key
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.store import ResponseStore
 
@@ -174,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
                        default=ServerConfig.render_processes,
                        help="worker processes that render large prompts off the event loop "
                        "(0: in the server's process)")  # fmt: skip
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on the /v1 routes (repeat for "
+                       f"several keys; or set {API_KEY_ENV}); /health and /metrics stay "
+                       "open")  # fmt: skip
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the ids requests name the model by (the first is the one responses "
+                       "carry; default: 'demo', or the checkpoint directory's name)")  # fmt: skip
     serve.add_argument("--max-concurrent", type=_positive_int, default=8,
                        help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
     serve.add_argument("--engine", choices=("auto", "gpu", "cpu"), default="auto",
@@ -324,7 +332,7 @@ def _load_weights(model: str, *, dtype: torch.dtype) -> tuple[ModelWeights, str]
         except FileNotFoundError as error:
             raise UsageError(str(error)) from error
         weights = load_weights(model_dir, device="cuda", dtype=dtype, progress=True)
-        name = "demo" if model == "demo" else Path(model).resolve().name
+        name = _model_name(model)
     logger.warning("weights of %s ready in %.1fs (%.2f GB)", name,
                    time.perf_counter() - started, weights.num_bytes() / 1e9)  # fmt: skip
     return weights, name
@@ -439,8 +447,41 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def api_keys(flags: list[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys of ``--api-key`` and of the environment's GPTOSS_SERVE_API_KEY, checked."""
+    keys = list(flags or [])
+    if environ.get(API_KEY_ENV):
+        keys.append(environ[API_KEY_ENV])
+    for key in keys:
+        try:
+            check_api_key(key)
+        except ValueError as error:
+            raise UsageError(f"--api-key / {API_KEY_ENV}: {error}") from error
+    return tuple(dict.fromkeys(keys))
+
+
+def served_names(names: list[str] | None, model: str) -> tuple[str, ...]:
+    """The model's ids: ``--served-model-name``'s, in order, else the one ``--model`` gives."""
+    if not names:
+        return (_model_name(model),)
+    for name in names:
+        if not name or name != name.strip():
+            raise UsageError(f"--served-model-name: {name!r} is empty or has surrounding spaces")
+    return tuple(dict.fromkeys(names))
+
+
+def _model_name(model: str) -> str:
+    """The id a ``--model`` value is served under: ``demo``, a synthetic preset's name, or the
+    checkpoint directory's name."""
+    if model == "demo" or model in SYNTHETIC_MODELS:
+        return model
+    return Path(model).resolve().name
+
+
 def run_serve(args: argparse.Namespace) -> int:
     store_path = args.store_path or data_dir() / "responses.sqlite3"
+    keys = api_keys(args.api_key, os.environ)  # before minutes of weight loading
+    name, *aliases = served_names(args.served_model_name, args.model)
     config = ServerConfig(
         host=args.host, port=args.port, store_path=str(store_path),
         default_max_output_tokens=args.default_max_output_tokens,
@@ -448,12 +489,13 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_budget_medium=args.reasoning_budget_medium,
         reasoning_budget_high=args.reasoning_budget_high,
         max_request_bytes=args.max_request_mb * 2**20, render_processes=args.render_processes,
+        api_keys=keys, model_aliases=tuple(aliases),
     )  # fmt: skip
     use_gpu = args.engine == "gpu" or (args.engine == "auto" and torch.cuda.is_available())
     if use_gpu:
         dtype = SUPPORTED_DTYPES[args.dtype or "bfloat16"]
         settings = engine_config(args)  # its usage errors before minutes of weight loading
-        weights, name = _load_weights(args.model, dtype=dtype)
+        weights, _ = _load_weights(args.model, dtype=dtype)
         engine = build_async_engine(weights, name, settings)
     else:
         if args.model in SYNTHETIC_MODELS:
@@ -461,11 +503,12 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.kv_cache_dtype != "auto":
             raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} needs the GPU engine")
         model = _load(args)
-        name = "demo" if args.model == "demo" else Path(args.model).resolve().name
         engine = CpuEngine(model, name, max_active=args.max_concurrent,
                            max_context_tokens=args.max_model_len)  # fmt: skip
     app = create_app(engine, ResponseStore(config.store_path), config)
-    logger.warning("serving %s on http://%s:%d (store: %s)", name, args.host, args.port, store_path)
+    access = f"{len(keys)} API key(s) required" if keys else "no API key required"
+    logger.warning("serving %s on http://%s:%d (store: %s; %s)", ", ".join([name, *aliases]),
+                   args.host, args.port, store_path, access)  # fmt: skip
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower())
     return 0
 
@@ -513,6 +556,9 @@ def _add_bench_serve_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--timeout", type=float, default=600.0,
                        help="seconds of server silence that fail a request")  # fmt: skip
     bench.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    bench.add_argument("--api-key", default=None, metavar="KEY",
+                       help="the server's API key (default: OPENAI_API_KEY, as the SDK reads "
+                       "it; never written to the results)")  # fmt: skip
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -527,7 +573,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             stream=args.stream, temperature=args.temperature,
             reasoning_effort=args.reasoning_effort, warmup=args.warmup,
             seed=random.randrange(2**31) if args.seed is None else args.seed,
-            timeout_s=args.timeout,
+            timeout_s=args.timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
         )  # fmt: skip
     except ValueError as error:
         raise UsageError(str(error)) from error

@@ -352,12 +352,20 @@ class ServerConfig:
     # Worker processes that render large prompts off the event loop (server/render_workers.py;
     # 0: in the server's process, which stalls every stream for the render's duration).
     render_processes: int = 1
+    # Keys a /v1 request must send as `Authorization: Bearer KEY` (server/api_keys.py; none:
+    # open). Out of the repr, so that logging a config never prints them.
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    # More ids a request's `model` may name, listed by /v1/models after the engine's own
+    # (`--served-model-name`); responses carry the engine's.
+    model_aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
         if self.render_processes < 0:
             raise ValueError("render_processes must be >= 0")
+        if any(not alias or alias != alias.strip() for alias in self.model_aliases):
+            raise ValueError("model aliases must be non-empty, without surrounding spaces")
         for effort in ("low", "medium", "high"):
             if self.reasoning_budget(effort) < 0:
                 raise ValueError(f"reasoning_budget_{effort} must be >= 0")

@@ -68,6 +68,8 @@ class BenchServeConfig:
     warmup: int = 0  # requests run (and not counted) before the measured ones
     seed: int = 0  # of the prompts and the arrival times
     timeout_s: float = 600.0  # most seconds without a byte from the server
+    # Sent as `Authorization: Bearer` (a server started with --api-key); never in the results.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -104,6 +106,7 @@ class BenchServeConfig:
     def settings(self) -> dict[str, Any]:
         """The fields as JSON values (an infinite rate is null: JSON has no infinity)."""
         settings = asdict(self)
+        del settings["api_key"]
         if math.isinf(self.request_rate):
             settings["request_rate"] = None
         return settings
@@ -165,7 +168,10 @@ async def run_benchmark(config: BenchServeConfig) -> BenchRun:
     limits = httpx.Limits(
         max_connections=config.concurrency, max_keepalive_connections=config.concurrency
     )
-    client = httpx.AsyncClient(base_url=config.root_url, timeout=timeout, limits=limits)
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    client = httpx.AsyncClient(
+        base_url=config.root_url, timeout=timeout, limits=limits, headers=headers
+    )
     async with client:
         model = await resolve_model(client, config)
         # Prompts are built before any timing; warm-up prompts are distinct from the measured
@@ -193,7 +199,9 @@ async def resolve_model(client: httpx.AsyncClient, config: BenchServeConfig) -> 
     except httpx.HTTPError as error:
         raise BenchError(f"cannot reach {config.root_url}: {_describe(error)}") from error
     if response.status_code != 200:
-        raise BenchError(f"GET {url} answered HTTP {response.status_code}")
+        raise BenchError(
+            f"GET {url} answered {_http_error(response.status_code, response.content)}"
+        )
     try:
         served = [model["id"] for model in response.json()["data"]]
     except (ValueError, KeyError, TypeError) as error:

@@ -17,6 +17,7 @@ from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
 from gptoss_serve.gc_heap import frozen_startup_heap
 from gptoss_serve.server import constraints
+from gptoss_serve.server.api_keys import ApiKeyAuth
 from gptoss_serve.server.background import BackgroundRuns
 from gptoss_serve.server.body_limit import BodyLimit
 from gptoss_serve.server.errors import bad_request, install_error_handlers, not_found
@@ -38,7 +39,7 @@ from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 500)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 500)}
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: logged, never read
 _SSE_DOC = {
     200: {
@@ -62,9 +63,10 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     renderers = RenderWorkers(config.render_processes)
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    _add_middleware(app, config)
     install_error_handlers(app)
-    model = ModelObject(id=engine.info.model_name, created=engine.info.created_at)
+    served = (engine.info.model_name, *config.model_aliases)
+    models = [ModelObject(id=name, created=engine.info.created_at) for name in served]
 
     @app.post("/v1/responses", response_model=ResponseObject,
               responses={**_ERRORS, 413: {"model": ErrorResponse}, **_SSE_DOC})  # fmt: skip
@@ -144,22 +146,33 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             has_more=len(items) > limit,
         )
 
-    _add_service_routes(app, model, metrics)
+    _add_service_routes(app, models, metrics)
     return app
 
 
-def _add_service_routes(app: FastAPI, model: ModelObject, metrics: ServerMetrics) -> None:
-    """The model list, the Prometheus metrics and the liveness check."""
+def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
+    """The body limit, and outside it (added last, so run first) the API keys' check: a 401
+    reads no body."""
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    if config.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=config.api_keys)
+
+
+def _add_service_routes(app: FastAPI, models: list[ModelObject], metrics: ServerMetrics) -> None:
+    """The model list (the served model under each of its ids), the Prometheus metrics and
+    the liveness check."""
+    by_id = {model.id: model for model in models}
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[model])
+        return ModelList(data=models)
 
-    @app.get("/v1/models/{model_id}", response_model=ModelObject, responses=_ERRORS)
+    # `:path`: ids such as "openai/gpt-oss-120b" hold a slash, which the SDK sends unquoted
+    @app.get("/v1/models/{model_id:path}", response_model=ModelObject, responses=_ERRORS)
     async def get_model(model_id: str) -> ModelObject:
-        if model_id != model.id:
+        if model_id not in by_id:
             raise not_found(f"The model '{model_id}' does not exist.", "model_id")
-        return model
+        return by_id[model_id]
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -130,10 +130,12 @@ def begin(
 ) -> Draft:
     """The checks and the conversation (no tokenization). Raises APIError."""
     info = engine.info
-    if request.model != info.model_name:
+    served = (info.model_name, *config.model_aliases)
+    if request.model not in served:
+        names = ", ".join(f"'{name}'" for name in served)
         raise APIError(
-            404, f"The model '{request.model}' does not exist; this server serves "
-            f"'{info.model_name}'.", param="model", code="model_not_found",
+            404, f"The model '{request.model}' does not exist; this server serves {names}.",
+            param="model", code="model_not_found",
         )  # fmt: skip
     _check_values(request.model_dump(by_alias=True, exclude_unset=True))
     _check_unsupported(request)
