@@ -67,6 +67,7 @@ from gptoss_serve.model.generate import SamplingParams, generate
 from gptoss_serve.model.transformer import SUPPORTED_DTYPES
 from gptoss_serve.server.api_keys import API_KEY_ENV, check_api_key
 from gptoss_serve.server.app import create_app
+from gptoss_serve.server.cors import check_origin
 from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on the /v1 routes (repeat for "
                        f"several keys; or set {API_KEY_ENV}); /health and /metrics stay "
                        "open")  # fmt: skip
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="browser origins (scheme://host[:port], or '*') answered with CORS "
+                       "headers (default: none)")  # fmt: skip
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the ids requests name the model by (the first is the one responses "
                        "carry; default: 'demo', or the checkpoint directory's name)")  # fmt: skip
@@ -470,6 +474,16 @@ def served_names(names: list[str] | None, model: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def allowed_origins(origins: list[str] | None) -> tuple[str, ...]:
+    """``--allowed-origins``, checked (a path or a missing scheme would never match)."""
+    for origin in origins or []:
+        try:
+            check_origin(origin)
+        except ValueError as error:
+            raise UsageError(f"--allowed-origins: {error}") from error
+    return tuple(dict.fromkeys(origins or []))
+
+
 def _model_name(model: str) -> str:
     """The id a ``--model`` value is served under: ``demo``, a synthetic preset's name, or the
     checkpoint directory's name."""
@@ -482,6 +496,7 @@ def run_serve(args: argparse.Namespace) -> int:
     store_path = args.store_path or data_dir() / "responses.sqlite3"
     keys = api_keys(args.api_key, os.environ)  # before minutes of weight loading
     name, *aliases = served_names(args.served_model_name, args.model)
+    origins = allowed_origins(args.allowed_origins)
     config = ServerConfig(
         host=args.host, port=args.port, store_path=str(store_path),
         default_max_output_tokens=args.default_max_output_tokens,
@@ -489,7 +504,7 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_budget_medium=args.reasoning_budget_medium,
         reasoning_budget_high=args.reasoning_budget_high,
         max_request_bytes=args.max_request_mb * 2**20, render_processes=args.render_processes,
-        api_keys=keys, model_aliases=tuple(aliases),
+        api_keys=keys, model_aliases=tuple(aliases), allowed_origins=origins,
     )  # fmt: skip
     use_gpu = args.engine == "gpu" or (args.engine == "auto" and torch.cuda.is_available())
     if use_gpu:

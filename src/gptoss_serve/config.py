@@ -358,6 +358,8 @@ class ServerConfig:
     # More ids a request's `model` may name, listed by /v1/models after the engine's own
     # (`--served-model-name`); responses carry the engine's.
     model_aliases: tuple[str, ...] = ()
+    # Browser origins answered with CORS headers (server/cors.py; none: no CORS, "*": any).
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:

@@ -20,6 +20,7 @@ from gptoss_serve.server import constraints
 from gptoss_serve.server.api_keys import ApiKeyAuth
 from gptoss_serve.server.background import BackgroundRuns
 from gptoss_serve.server.body_limit import BodyLimit
+from gptoss_serve.server.cors import OpenAICors
 from gptoss_serve.server.errors import bad_request, install_error_handlers, not_found
 from gptoss_serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gptoss_serve.server.metrics import ServerMetrics
@@ -151,11 +152,14 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
 
 
 def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
-    """The body limit, and outside it (added last, so run first) the API keys' check: a 401
-    reads no body."""
+    """The body limit; outside it (added later, so run earlier) the API keys' check, so that
+    a 401 reads no body; outermost CORS, which answers preflights (they carry no key) and
+    adds its headers to every answer, 401s included."""
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=config.api_keys)
+    if config.allowed_origins:
+        app.add_middleware(OpenAICors, origins=config.allowed_origins)
 
 
 def _add_service_routes(app: FastAPI, models: list[ModelObject], metrics: ServerMetrics) -> None:
