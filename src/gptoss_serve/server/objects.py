@@ -105,6 +105,7 @@ class ResponseObject(BaseModel):
     created_at: int
     status: Literal["completed", "incomplete", "failed", "in_progress", "queued", "cancelled"]
     background: bool = False
+    completed_at: int | None = None  # set when the status becomes `completed`, as the API does
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
@@ -115,7 +116,10 @@ class ResponseObject(BaseModel):
     output: list[OutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
+    safety_identifier: str | None = None
     service_tier: str | None = None
     store: bool = True
     temperature: float | None = None

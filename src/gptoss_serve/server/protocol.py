@@ -272,6 +272,8 @@ class TextConfig(_Strict):
 class ReasoningConfig(_Strict):
     effort: Literal["low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
+    # The SDK's types still carry summary's deprecated name: taken, and echoed, the same way.
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 # -- the request ------------------------------------------------------------------------------

@@ -189,7 +189,10 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
         model=draft.model_name,
         parallel_tool_calls=request.parallel_tool_calls,
         previous_response_id=request.previous_response_id,
+        prompt_cache_key=request.prompt_cache_key,
+        prompt_cache_retention=request.prompt_cache_retention,
         reasoning=request.reasoning.model_copy(update={"effort": render.reasoning_effort}),
+        safety_identifier=request.safety_identifier,
         service_tier=request.service_tier or "default",
         store=request.store,
         temperature=temperature,
@@ -364,6 +367,7 @@ async def _run(
 def _conclude(prepared: Prepared, last_token: int | None) -> None:
     if last_token is not None and last_token in prepared.params.stop_token_ids:
         prepared.response.status = "completed"
+        prepared.response.completed_at = int(time.time())
     else:  # ran out of tokens (max_output_tokens or the context)
         prepared.response.status = "incomplete"
         prepared.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
