@@ -35,6 +35,7 @@ from gptoss_serve.server.objects import (
 )
 from gptoss_serve.server.protocol import CreateResponseRequest, InputTokenCountRequest
 from gptoss_serve.server.render_workers import RenderWorkers
+from gptoss_serve.server.request_ids import RequestIds
 from gptoss_serve.server.responses import Prepared, count_input_tokens, prepare, run
 from gptoss_serve.server.store import ResponseStore
 
@@ -154,12 +155,13 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
 def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
     """The body limit; outside it (added later, so run earlier) the API keys' check, so that
     a 401 reads no body; outermost CORS, which answers preflights (they carry no key) and
-    adds its headers to every answer, 401s included."""
+    adds its headers to every answer, 401s included; around all, the request ids."""
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     if config.api_keys:
         app.add_middleware(ApiKeyAuth, keys=config.api_keys)
     if config.allowed_origins:
         app.add_middleware(OpenAICors, origins=config.allowed_origins)
+    app.add_middleware(RequestIds)  # outermost: every answer carries its id
 
 
 def _add_service_routes(app: FastAPI, models: list[ModelObject], metrics: ServerMetrics) -> None:

@@ -23,6 +23,7 @@ from gptoss_serve.engine.client import EngineClient
 from gptoss_serve.server import events
 from gptoss_serve.server.metrics import ServerMetrics
 from gptoss_serve.server.objects import ResponseError
+from gptoss_serve.server.request_ids import current_request_id
 from gptoss_serve.server.responses import Prepared, run, store_response
 from gptoss_serve.server.store import ResponseStore
 
@@ -123,7 +124,9 @@ class BackgroundRuns:
             await background._add(cut, done=True)
             raise
         except Exception as error:  # a bug, not the client's: logged; the run ends as failed
-            logger.exception("background response %s failed", prepared.response.id)
+            logger.exception(
+                "background response %s failed (%s)", prepared.response.id, current_request_id.get()
+            )  # the creating request's (the task's context)
             prepared.response.status = "failed"
             prepared.response.error = ResponseError(code="server_error", message=str(error))
             store_response(prepared, self._store)

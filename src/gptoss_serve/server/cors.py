@@ -40,7 +40,7 @@ class OpenAICors(CORSMiddleware):
         # Any request header: the SDKs send their own (x-stainless-*, openai-beta, ...).
         super().__init__(
             app, allow_origins=origins, allow_methods=ALLOWED_METHODS, allow_headers=("*",),
-            max_age=MAX_AGE_S,
+            expose_headers=("x-request-id",), max_age=MAX_AGE_S,
         )  # fmt: skip
 
     def preflight_response(self, request_headers: Headers) -> Response:

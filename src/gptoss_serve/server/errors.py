@@ -219,10 +219,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(error.status_code, str(error.detail), code=code))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        # Starlette runs this outside every middleware: the request id comes from the state
+        request_id = getattr(request.state, "request_id", None)
+        logger.exception("unhandled error (%s %s, %s)", request.method, request.url.path,
+                         request_id)  # fmt: skip
         api_error = APIError(
             500, "The server had an error while processing your request.",
             code="server_error", error_type="server_error",
         )  # fmt: skip
-        return error_response(api_error)
+        response = error_response(api_error)
+        if request_id is not None:
+            response.headers["x-request-id"] = request_id
+        return response

@@ -50,6 +50,7 @@ from gptoss_serve.server.protocol import (
     ToolChoiceFunction,
 )
 from gptoss_serve.server.render_workers import RenderWorkers
+from gptoss_serve.server.request_ids import current_request_id
 from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -343,7 +344,8 @@ async def _run(
         # A message still open here was cut off: events.finish closes it as incomplete.
         _conclude(prepared, last_token)
     except EngineError as error:
-        logger.error("response %s failed: %s", prepared.response.id, error)
+        logger.error("response %s failed (%s): %s", prepared.response.id,
+                     current_request_id.get(), error)  # fmt: skip
         prepared.response.status = "failed"
         prepared.response.error = ResponseError(code="server_error", message=str(error))
     if parser.framing_error:
