@@ -137,6 +137,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gptoss-serve", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING ...")
@@ -167,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--store-path", type=Path, default=None,
                        help="SQLite file of stored responses (default: XDG data dir)")  # fmt: skip
+    serve.add_argument("--store-retention-days", type=_non_negative_float, default=30.0,
+                       help="stored responses are deleted this many days after they were made "
+                       "(default 30, as the official API keeps them; 0: never)")  # fmt: skip
     serve.add_argument("--default-max-output-tokens", type=_positive_int, default=4096,
                        help="output cap for requests without max_output_tokens")  # fmt: skip
     serve.add_argument("--max-request-mb", type=_positive_int,
@@ -484,6 +494,11 @@ def allowed_origins(origins: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(origins or []))
 
 
+def _retention_s(days: float) -> int:
+    """Whole seconds; any positive number of days is at least one (0 alone means never)."""
+    return max(1, round(days * 86400)) if days else 0
+
+
 def _model_name(model: str) -> str:
     """The id a ``--model`` value is served under: ``demo``, a synthetic preset's name, or the
     checkpoint directory's name."""
@@ -499,6 +514,7 @@ def run_serve(args: argparse.Namespace) -> int:
     origins = allowed_origins(args.allowed_origins)
     config = ServerConfig(
         host=args.host, port=args.port, store_path=str(store_path),
+        store_retention_s=_retention_s(args.store_retention_days),
         default_max_output_tokens=args.default_max_output_tokens,
         reasoning_budget_low=args.reasoning_budget_low,
         reasoning_budget_medium=args.reasoning_budget_medium,

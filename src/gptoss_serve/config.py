@@ -337,6 +337,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     store_path: str = ":memory:"  # SQLite file of stored responses
+    # Stored responses are deleted this long after they were created (server/retention.py;
+    # 30 days, as the official API keeps them; 0: kept for ever), checked at start-up and then
+    # every store_prune_interval_s.
+    store_retention_s: int = 30 * 86400
+    store_prune_interval_s: float = 3600.0
     # Output cap when a request gives no max_output_tokens (None: the rest of the context).
     default_max_output_tokens: int | None = 4096
     reasoning_effort: str = "medium"  # when a request gives none
@@ -366,6 +371,8 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be at least 1024")
         if self.render_processes < 0:
             raise ValueError("render_processes must be >= 0")
+        if self.store_retention_s < 0 or not self.store_prune_interval_s > 0:
+            raise ValueError("store_retention_s must be >= 0, store_prune_interval_s > 0")
         if any(not alias or alias != alias.strip() for alias in self.model_aliases):
             raise ValueError("model aliases must be non-empty, without surrounding spaces")
         for effort in ("low", "medium", "high"):

@@ -37,6 +37,7 @@ from gptoss_serve.server.protocol import CreateResponseRequest, InputTokenCountR
 from gptoss_serve.server.render_workers import RenderWorkers
 from gptoss_serve.server.request_ids import RequestIds
 from gptoss_serve.server.responses import Prepared, count_input_tokens, prepare, run
+from gptoss_serve.server.retention import pruning
 from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,9 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(constraints.warm_up, config)  # not in the first request
-        with frozen_startup_heap():  # full collections skip what start-up built (gc_heap.py)
-            yield
+        async with pruning(store, config.store_retention_s, config.store_prune_interval_s):
+            with frozen_startup_heap():  # full collections skip what start-up built (gc_heap.py)
+                yield
         await _shut_down(runs, engine, renderers, store)
 
     metrics = ServerMetrics(engine.stats)

@@ -29,7 +29,12 @@ CREATE TABLE IF NOT EXISTS items (
     response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
     item TEXT NOT NULL
 );
+-- The cascade finds a response's items by this index (without it, every delete scans them
+-- all); pruning finds the old responses by the other.
+CREATE INDEX IF NOT EXISTS items_response_id ON items(response_id);
+CREATE INDEX IF NOT EXISTS responses_created_at ON responses(created_at);
 """
+PRUNE_BATCH = 500  # responses deleted per transaction: the lock is let go between them
 
 
 class ResponseStore:
@@ -42,6 +47,7 @@ class ResponseStore:
         self._connection.execute("PRAGMA foreign_keys = ON")
         self._connection.executescript(_SCHEMA)
         self._lock = threading.Lock()
+        self._closed = False
 
     def put(
         self,
@@ -83,8 +89,27 @@ class ResponseStore:
             cursor = self._connection.execute("DELETE FROM responses WHERE id = ?", (response_id,))
         return cursor.rowcount > 0
 
+    def prune(self, before: int) -> int:
+        """Delete the responses created before ``before`` (Unix seconds) and their items, in
+        batches so that other calls get the lock in between; how many went."""
+        deleted = 0
+        while True:
+            with self._lock:
+                if self._closed:  # a pruning thread outlived the server's shutdown
+                    return deleted
+                with self._connection:
+                    cursor = self._connection.execute(
+                        "DELETE FROM responses WHERE id IN "
+                        "(SELECT id FROM responses WHERE created_at < ? LIMIT ?)",
+                        (before, PRUNE_BATCH),
+                    )  # fmt: skip
+            deleted += cursor.rowcount
+            if cursor.rowcount < PRUNE_BATCH:
+                return deleted
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._connection.close()
 
     def _one(self, query: str, key: str) -> str | None:
