@@ -360,7 +360,10 @@ async def _run(
         total_tokens=len(prepared.prompt_ids) + num_output,
     )
     final_events = events.finish(state)
-    store_response(prepared, store)
+    # Off the event loop: a long conversation is megabytes of JSON, and SQLite's commit waits
+    # for the disk; every other stream would stall meanwhile. Awaited before the terminal
+    # event, so a client that has it finds the response stored.
+    await asyncio.to_thread(store_response, prepared, store)
     timer.end(prepared.response.status, len(prepared.prompt_ids), cached)
     for event in final_events:
         yield event

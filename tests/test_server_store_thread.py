@@ -1,0 +1,49 @@
+"""A finished response is stored off the event loop (its JSON and SQLite's commit would stall
+every other stream), and before its terminal event reaches the client."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.testclient import TestClient
+
+from gptoss_serve.config import ServerConfig
+from gptoss_serve.server.app import create_app
+from gptoss_serve.server.store import ResponseStore
+from server_helpers import REASONING_THEN_FINAL, ScriptedEngine, harmony_tokens
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class _RecordingStore(ResponseStore):
+    def __init__(self) -> None:
+        super().__init__(":memory:")
+        self.puts_on_loop: list[bool] = []
+
+    def put(self, response, input_items, conversation) -> None:
+        self.puts_on_loop.append(_on_event_loop())
+        super().put(response, input_items, conversation)
+
+
+def test_responses_are_stored_off_the_loop_before_the_terminal_event() -> None:
+    engine = ScriptedEngine()
+    engine.queue(harmony_tokens(REASONING_THEN_FINAL))
+    store = _RecordingStore()
+    body = {"model": "demo", "input": "Hi", "max_output_tokens": 64}
+    with TestClient(create_app(engine, store, ServerConfig())) as client:
+        created = client.post("/v1/responses", json=body).json()
+        assert client.get(f"/v1/responses/{created['id']}").status_code == 200
+        with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: ") and '"response.completed"' in line:
+                    response_id = line.split('"id":"', 1)[1].split('"', 1)[0]
+                    # the terminal event has arrived: the response is stored already
+                    assert store.get(response_id) is not None
+                    break
+    assert store.puts_on_loop == [False, False]
