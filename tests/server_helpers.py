@@ -76,6 +76,7 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.delay = 0.0  # seconds between tokens (to test disconnects)
         self.enforce_grammar = enforce_grammar
+        self.failed_for_good: str | None = None  # what failure() reports (GET /health)
 
     def queue(self, *scripts: list) -> None:
         self.scripts.extend(scripts)
@@ -116,6 +117,9 @@ class ScriptedEngine:
 
     def stats(self) -> None:
         return None
+
+    def failure(self) -> str | None:
+        return self.failed_for_good
 
     async def close(self) -> None:
         return None

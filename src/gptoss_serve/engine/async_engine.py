@@ -3,7 +3,10 @@ one worker thread, step after step while any request is unfinished; the event lo
 queues requests and receives tokens (``call_soon_threadsafe``, once a step for all of them).
 
 A request that can never run, or whose grammar fails, ends with EngineError; a step that
-raises fails every request in flight and the engine goes on with new ones.
+raises fails every request in flight and the engine goes on with new ones, on a fresh core. If
+even that cannot be built (a sticky CUDA error leaves the device unusable), the engine has
+failed for good: every request in flight and every new one ends with EngineError at once
+(they would otherwise wait for ever) and ``failure()`` says why (``GET /health``: 503).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class AsyncEngine:
         # Prefix-cache hits of streams read to the end, until the caller asks (event loop).
         self._cached: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._is_stopped = False
+        self._failure: str | None = None  # why the worker died, once it has
         # Written by the worker after each step (before its tokens go out) and each round, read
         # by the event loop (a reference swap).
         # _retired: the counters of cores replaced after a failed step, so totals never drop.
@@ -60,7 +64,7 @@ class AsyncEngine:
         stream = _Stream.open(request_id, prompt_ids, params)
         with self._condition:
             if self._is_stopped:
-                raise EngineError("the engine is shut down")
+                raise EngineError(self._failure or "the engine is shut down")
             self._pending.append(stream)
             self._condition.notify()
         try:
@@ -82,6 +86,9 @@ class AsyncEngine:
     def stats(self) -> SchedulerStats:
         return self._stats
 
+    def failure(self) -> str | None:
+        return self._failure
+
     async def close(self) -> None:
         with self._condition:
             self._is_stopped = True
@@ -91,6 +98,22 @@ class AsyncEngine:
     # -- the worker thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as error:  # not one step's failure (_step handles those): fatal
+            logger.exception("the engine failed; every request now ends with an error")
+            self._fail_for_good(f"the engine failed: {type(error).__name__}: {error}")
+
+    def _fail_for_good(self, reason: str) -> None:
+        with self._condition:  # no request queues after this
+            self._failure = reason
+            self._is_stopped = True
+            pending, self._pending = list(self._pending), deque()
+        for stream in [*self._streams.values(), *pending]:
+            self._finish(stream, EngineError(reason))
+        self._streams.clear()
+
+    def _serve(self) -> None:
         while True:
             with self._condition:
                 while not (self._pending or self._aborted or self._streams or self._is_stopped):

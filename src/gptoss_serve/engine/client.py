@@ -54,6 +54,13 @@ class EngineClient(Protocol):
         prefix-cache lookups: ``GET /metrics``), or None for an engine without a scheduler."""
         ...
 
+    def failure(self) -> str | None:
+        """None while the engine serves; once it has failed for good (its worker died: a
+        device that cannot run another step), why. Every generation then ends with
+        EngineError at once, and ``GET /health`` answers 503 so that a supervisor restarts the
+        server."""
+        ...
+
     async def close(self) -> None:
         """Stop the engine; in-flight generations end with EngineError."""
         ...

@@ -62,6 +62,7 @@ class CpuEngine:
         self._pending: deque[_Job] = deque()
         self._active: list[_Job] = []
         self._is_stopped = False
+        self._failure: str | None = None  # why the worker died, once it has (a bug)
         # Mask computations overlap the forward passes; one worker thread keeps up (a mask
         # takes tens of microseconds, a forward pass milliseconds).
         self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
@@ -80,7 +81,7 @@ class CpuEngine:
         job = _Job.open(request_id, prompt_ids, params)
         with self._condition:
             if self._is_stopped:
-                raise EngineError("the engine is shut down")
+                raise EngineError(self._failure or "the engine is shut down")
             self._pending.append(job)
             self._condition.notify()
         try:
@@ -99,6 +100,9 @@ class CpuEngine:
         """No scheduler: the CPU engine decodes its requests in turn."""
         return None
 
+    def failure(self) -> str | None:
+        return self._failure
+
     async def close(self) -> None:
         with self._condition:
             self._is_stopped = True
@@ -108,6 +112,22 @@ class CpuEngine:
     # -- the worker thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as error:  # a request's own errors stay in _step: this is fatal
+            logger.exception("the engine failed; every request now ends with an error")
+            reason = f"the engine failed: {type(error).__name__}: {error}"
+            with self._condition:  # no request queues after this
+                self._failure = reason
+                self._is_stopped = True
+                jobs, self._pending = [*self._active, *self._pending], deque()
+            for job in jobs:
+                job.is_done = True
+                job.post(EngineError(reason))
+            self._active.clear()
+            self._mask_pool.shutdown(wait=False)
+
+    def _serve(self) -> None:
         while True:
             with self._condition:
                 while not (self._pending or self._active or self._is_stopped):

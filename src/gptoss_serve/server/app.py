@@ -150,7 +150,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             has_more=len(items) > limit,
         )
 
-    _add_service_routes(app, models, metrics)
+    _add_service_routes(app, models, metrics, engine)
     return app
 
 
@@ -166,9 +166,12 @@ def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
     app.add_middleware(RequestIds)  # outermost: every answer carries its id
 
 
-def _add_service_routes(app: FastAPI, models: list[ModelObject], metrics: ServerMetrics) -> None:
+def _add_service_routes(
+    app: FastAPI, models: list[ModelObject], metrics: ServerMetrics, engine: EngineClient
+) -> None:
     """The model list (the served model under each of its ids), the Prometheus metrics and
-    the liveness check."""
+    the liveness check (503 once the engine has failed for good, so that a supervisor restarts
+    the server rather than send it requests that can only fail)."""
     by_id = {model.id: model for model in models}
 
     @app.get("/v1/models", response_model=ModelList)
@@ -188,8 +191,11 @@ def _add_service_routes(app: FastAPI, models: list[ModelObject], metrics: Server
 
     @app.get("/health")
     @app.get("/healthz")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        failure = engine.failure()
+        if failure is not None:
+            return JSONResponse({"status": "unhealthy", "reason": failure}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
 
 async def _shut_down(
