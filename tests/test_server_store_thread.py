@@ -26,9 +26,9 @@ class _RecordingStore(ResponseStore):
         super().__init__(":memory:")
         self.puts_on_loop: list[bool] = []
 
-    def put(self, response, input_items, conversation) -> None:
+    def put(self, response, input_items, conversation, parent=None) -> None:
         self.puts_on_loop.append(_on_event_loop())
-        super().put(response, input_items, conversation)
+        super().put(response, input_items, conversation, parent)
 
 
 def test_responses_are_stored_off_the_loop_before_the_terminal_event() -> None:

@@ -70,6 +70,11 @@ class Prepared:
     conversation: list[Item]  # previous + this request's input (what a follow-up continues)
     input_items: list[dict[str, Any]]
     params: SamplingParams
+    # How ``conversation`` continues the previous response's, which the store keeps: (its id,
+    # how many of its leading items the fitting dropped), and where this request's own items
+    # start; None when nothing of it is left (or there is none).
+    parent: tuple[str, int] | None = None
+    own_start: int = 0
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +91,7 @@ class Draft:
     input_items: list[dict[str, Any]]
     model_name: str
     context: int
+    history_len: int = 0  # the leading items of render.items that previous_response_id gave
 
 
 async def prepare(
@@ -158,7 +164,9 @@ def begin(
         tools=tools,
         response_format=_response_format(request),
     )
-    return Draft(request, render, converter.listed, info.model_name, info.max_context_tokens)
+    return Draft(
+        request, render, converter.listed, info.model_name, info.max_context_tokens, len(history)
+    )
 
 
 def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRequest]) -> Prepared:
@@ -205,7 +213,15 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
         truncation=request.truncation,
         user=request.user,
     )
-    return Prepared(request, response, prompt_ids, list(render.items), draft.input_items, params)
+    prepared = Prepared(
+        request, response, prompt_ids, list(render.items), draft.input_items, params
+    )
+    # The fitting drops whole items from the front (truncation: auto): of the history first.
+    dropped = len(draft.render.items) - len(render.items)
+    if request.previous_response_id is not None and dropped < draft.history_len:
+        prepared.parent = (request.previous_response_id, dropped)
+        prepared.own_start = draft.history_len - dropped
+    return prepared
 
 
 def wanted_logprobs(request: CreateResponseRequest) -> int | None:
@@ -384,5 +400,6 @@ def store_response(prepared: Prepared, store: ResponseStore) -> None:
         return
     response = prepared.response.dump()
     output = output_to_items(response["output"])
-    conversation = [item_to_json(item) for item in [*prepared.conversation, *output]]
-    store.put(response, prepared.input_items, conversation)
+    own = [*prepared.conversation[prepared.own_start :], *output]
+    conversation = [item_to_json(item) for item in own]
+    store.put(response, prepared.input_items, conversation, prepared.parent)

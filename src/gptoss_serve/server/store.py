@@ -3,6 +3,13 @@
 Each stored response keeps three things: the response object as returned, its input items
 (for ``GET .../input_items``), and the conversation that ``previous_response_id`` continues
 from (the input and output items, in our internal JSON form; instructions are not carried).
+
+A conversation is stored as a delta on its parent's: a response that continued another keeps
+the parent's id, how many of the parent's items its prompt dropped from the front (``truncation:
+auto``), and only its own items. Stored whole, each turn of an n-turn conversation would copy
+all the turns before it: n²/2 items on disk, gigabytes for a busy agent server. A conversation
+is rebuilt from its chain in one recursive query. Deleting (or pruning) a response first stores
+its children's conversations whole, so that they go on as they would have.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ CREATE TABLE IF NOT EXISTS responses (
     created_at INTEGER NOT NULL,
     response TEXT NOT NULL,
     input_items TEXT NOT NULL,
-    conversation TEXT NOT NULL
+    conversation TEXT NOT NULL,  -- this response's own items, after its parent's
+    parent_id TEXT,  -- the response whose conversation this one continues (NULL: none)
+    parent_skip INTEGER NOT NULL DEFAULT 0  -- the parent's leading items it dropped
 );
 CREATE TABLE IF NOT EXISTS items (
     id TEXT PRIMARY KEY,
@@ -33,6 +42,17 @@ CREATE TABLE IF NOT EXISTS items (
 -- all); pruning finds the old responses by the other.
 CREATE INDEX IF NOT EXISTS items_response_id ON items(response_id);
 CREATE INDEX IF NOT EXISTS responses_created_at ON responses(created_at);
+"""
+# Files written before conversations were deltas lack these columns: added, NULL (whole).
+_PARENT_COLUMNS = {"parent_id": "TEXT", "parent_skip": "INTEGER NOT NULL DEFAULT 0"}
+_CHAIN = """
+WITH RECURSIVE chain(id, parent_id, parent_skip, conversation, depth) AS (
+    SELECT id, parent_id, parent_skip, conversation, 0 FROM responses WHERE id = ?
+    UNION ALL
+    SELECT r.id, r.parent_id, r.parent_skip, r.conversation, chain.depth + 1
+    FROM responses AS r JOIN chain ON r.id = chain.parent_id
+)
+SELECT id, parent_id, parent_skip, conversation FROM chain ORDER BY depth DESC
 """
 PRUNE_BATCH = 500  # responses deleted per transaction: the lock is let go between them
 
@@ -46,6 +66,7 @@ class ResponseStore:
         self._connection = sqlite3.connect(str(path), check_same_thread=False)
         self._connection.execute("PRAGMA foreign_keys = ON")
         self._connection.executescript(_SCHEMA)
+        self._add_parent_columns()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -54,14 +75,19 @@ class ResponseStore:
         response: dict[str, Any],
         input_items: list[dict[str, Any]],
         conversation: list[dict[str, Any]],
+        parent: tuple[str, int] | None = None,
     ) -> None:
+        """``conversation``: the response's own items; with ``parent`` (its id, and how many of
+        its leading items to drop) they follow that response's conversation, else they are
+        all of it."""
         items = [(item["id"], response["id"], json.dumps(item)) for item in input_items]
         items += [(item["id"], response["id"], json.dumps(item)) for item in response["output"]]
+        parent_id, parent_skip = parent if parent is not None else (None, 0)
         with self._lock, self._connection:
             self._connection.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (response["id"], response["created_at"], json.dumps(response),
-                 json.dumps(input_items), json.dumps(conversation)),
+                 json.dumps(input_items), json.dumps(conversation), parent_id, parent_skip),
             )  # fmt: skip
             # An item id belongs to the response that first stored it: a later response that
             # references it (item_reference) must not take it over, or deleting that one
@@ -77,8 +103,10 @@ class ResponseStore:
         return None if row is None else json.loads(row)
 
     def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
-        row = self._one("SELECT conversation FROM responses WHERE id = ?", response_id)
-        return None if row is None else json.loads(row)
+        """The whole conversation a follow-up of ``response_id`` continues, rebuilt from its
+        chain of deltas; None for an unknown id."""
+        with self._lock:
+            return self._rebuild(response_id)
 
     def item(self, item_id: str) -> dict[str, Any] | None:
         row = self._one("SELECT item FROM items WHERE id = ?", item_id)
@@ -86,6 +114,7 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         with self._lock, self._connection:
+            self._detach_children([response_id])
             cursor = self._connection.execute("DELETE FROM responses WHERE id = ?", (response_id,))
         return cursor.rowcount > 0
 
@@ -98,19 +127,65 @@ class ResponseStore:
                 if self._closed:  # a pruning thread outlived the server's shutdown
                     return deleted
                 with self._connection:
-                    cursor = self._connection.execute(
-                        "DELETE FROM responses WHERE id IN "
-                        "(SELECT id FROM responses WHERE created_at < ? LIMIT ?)",
+                    ids = [row[0] for row in self._connection.execute(
+                        "SELECT id FROM responses WHERE created_at < ? LIMIT ?",
                         (before, PRUNE_BATCH),
-                    )  # fmt: skip
-            deleted += cursor.rowcount
-            if cursor.rowcount < PRUNE_BATCH:
+                    )]  # fmt: skip
+                    self._detach_children(ids)
+                    self._connection.executemany(
+                        "DELETE FROM responses WHERE id = ?", [(i,) for i in ids]
+                    )
+            deleted += len(ids)
+            if len(ids) < PRUNE_BATCH:
                 return deleted
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._connection.close()
+
+    def _rebuild(self, response_id: str) -> list[dict[str, Any]] | None:
+        """(The lock held.) The parent's items after its dropped ones, then the response's
+        own, from the chain's root down."""
+        chain = self._connection.execute(_CHAIN, (response_id,)).fetchall()
+        if not chain:
+            return None
+        root_id, root_parent, _, _ = chain[0]
+        if root_parent is not None:  # deleted without its children detached: not by this code
+            logger.warning("response %s continues %s, which is gone: its conversation starts "
+                           "at its own items", root_id, root_parent)  # fmt: skip
+        items: list[dict[str, Any]] = []
+        for _, _, skip, own in chain:
+            items = items[skip:] + json.loads(own)
+        return items
+
+    def _detach_children(self, ids: list[str]) -> None:
+        """(The lock held, in the caller's transaction.) The responses that continue one of
+        ``ids`` and are not among them get their conversation stored whole, before ``ids``
+        go."""
+        if not ids:
+            return
+        marks = ", ".join("?" * len(ids))
+        children = self._connection.execute(
+            f"SELECT id FROM responses WHERE parent_id IN ({marks}) AND id NOT IN ({marks})",
+            [*ids, *ids],
+        ).fetchall()  # fmt: skip
+        for (child,) in children:
+            whole = self._rebuild(child)
+            self._connection.execute(
+                "UPDATE responses SET conversation = ?, parent_id = NULL, parent_skip = 0 "
+                "WHERE id = ?", (json.dumps(whole), child),
+            )  # fmt: skip
+
+    def _add_parent_columns(self) -> None:
+        present = {row[1] for row in self._connection.execute("PRAGMA table_info(responses)")}
+        for name, kind in _PARENT_COLUMNS.items():
+            if name not in present:
+                self._connection.execute(f"ALTER TABLE responses ADD COLUMN {name} {kind}")
+        self._connection.execute(
+            "CREATE INDEX IF NOT EXISTS responses_parent_id ON responses(parent_id)"
+        )
+        self._connection.commit()
 
     def _one(self, query: str, key: str) -> str | None:
         with self._lock:

@@ -1,0 +1,178 @@
+"""Conversations stored as deltas on their parent's: rebuilt whole, linear on disk, kept whole by
+children when a parent is deleted or pruned, and read from files written before."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+
+from gptoss_serve.config import ServerConfig
+from gptoss_serve.engine.client import EngineInfo
+from gptoss_serve.server.app import create_app
+from gptoss_serve.server.store import ResponseStore
+from server_helpers import REASONING_THEN_FINAL, ScriptedEngine, harmony_tokens
+
+
+def _response(response_id: str, age_s: float = 0) -> dict:
+    return {"id": response_id, "created_at": int(time.time() - age_s), "output": []}
+
+
+def _items(*names: str) -> list[dict]:
+    return [{"kind": "x", "name": name} for name in names]
+
+
+def _names(items: list[dict] | None) -> list[str]:
+    assert items is not None
+    return [item["name"] for item in items]
+
+
+def _own(path: Path, response_id: str) -> tuple[str | None, int, int]:
+    """A row as stored: (parent, skip, how many own items)."""
+    with sqlite3.connect(path) as connection:
+        parent, skip, own = connection.execute(
+            "SELECT parent_id, parent_skip, conversation FROM responses WHERE id = ?",
+            (response_id,),
+        ).fetchone()
+    return parent, skip, len(json.loads(own))
+
+
+def test_a_chain_is_rebuilt_with_the_dropped_items_left_out(tmp_path: Path) -> None:
+    store = ResponseStore(tmp_path / "r.sqlite3")
+    store.put(_response("resp_a"), [], _items("a1", "a2"))
+    store.put(_response("resp_b"), [], _items("b1"), ("resp_a", 0))
+    store.put(_response("resp_c"), [], _items("c1", "c2"), ("resp_b", 1))
+    assert _names(store.conversation("resp_a")) == ["a1", "a2"]
+    assert _names(store.conversation("resp_b")) == ["a1", "a2", "b1"]
+    assert _names(store.conversation("resp_c")) == ["a2", "b1", "c1", "c2"]
+    assert store.conversation("resp_missing") is None
+
+
+def test_deleting_or_pruning_a_parent_keeps_its_children_whole(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite3"
+    store = ResponseStore(path)
+    store.put(_response("resp_a", age_s=40 * 86400), [], _items("a1", "a2"))
+    store.put(_response("resp_b"), [], _items("b1"), ("resp_a", 1))
+    store.put(_response("resp_c"), [], _items("c1"), ("resp_b", 0))
+    store.put(_response("resp_d"), [], _items("d1"), ("resp_b", 2))
+    assert store.prune(int(time.time()) - 30 * 86400) == 1  # resp_a
+    assert _names(store.conversation("resp_b")) == ["a2", "b1"]
+    assert _own(path, "resp_b") == (None, 0, 2)  # whole now
+    assert store.delete("resp_b")
+    assert _names(store.conversation("resp_c")) == ["a2", "b1", "c1"]
+    assert _names(store.conversation("resp_d")) == ["d1"]
+    assert _own(path, "resp_c") == (None, 0, 3) and _own(path, "resp_d") == (None, 0, 1)
+
+
+def test_a_long_chain_grows_linearly_on_disk(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite3"
+    store = ResponseStore(path)
+    parent = None
+    for turn in range(200):
+        store.put(_response(f"resp_{turn}"), [], _items(f"in{turn}", f"out{turn}"), parent)
+        parent = (f"resp_{turn}", 0)
+    assert _names(store.conversation("resp_199"))[-4:] == ["in198", "out198", "in199", "out199"]
+    assert len(store.conversation("resp_199") or []) == 400
+    with sqlite3.connect(path) as connection:
+        stored = connection.execute("SELECT SUM(LENGTH(conversation)) FROM responses").fetchone()
+    per_turn = len(json.dumps(_items("in0", "out0")))
+    assert stored[0] <= 200 * (per_turn + 8)  # whole copies: ~100x that
+
+
+def test_a_file_written_before_deltas_is_read_and_extended(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as connection:
+        connection.executescript(
+            "CREATE TABLE responses (id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, "
+            "response TEXT NOT NULL, input_items TEXT NOT NULL, conversation TEXT NOT NULL);"
+            "CREATE TABLE items (id TEXT PRIMARY KEY, response_id TEXT NOT NULL "
+            "REFERENCES responses(id) ON DELETE CASCADE, item TEXT NOT NULL);"
+        )
+        connection.execute(
+            "INSERT INTO responses VALUES (?, ?, ?, ?, ?)",
+            ("resp_old", int(time.time()), json.dumps(_response("resp_old")), "[]",
+             json.dumps(_items("o1", "o2"))),
+        )  # fmt: skip
+    store = ResponseStore(path)
+    assert _names(store.conversation("resp_old")) == ["o1", "o2"]
+    store.put(_response("resp_new"), [], _items("n1"), ("resp_old", 0))
+    assert _names(store.conversation("resp_new")) == ["o1", "o2", "n1"]
+
+
+def _turn(client: TestClient, text: str, previous: str | None, **extra) -> str:
+    body = {"model": "demo", "input": text, "max_output_tokens": 64, **extra}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    answer = client.post("/v1/responses", json=body)
+    assert answer.status_code == 200, answer.json()
+    return answer.json()["id"]
+
+
+def test_the_server_stores_each_turn_as_its_own_items(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite3"
+    store = ResponseStore(path)
+    engine = ScriptedEngine()
+    engine.queue(*[harmony_tokens(REASONING_THEN_FINAL)] * 3)
+    with TestClient(create_app(engine, store, ServerConfig())) as client:
+        first = _turn(client, "one", None)
+        second = _turn(client, "two", first)
+        third = _turn(client, "three", second)
+        whole = store.conversation(third) or []
+        # each turn: the user's message, then the reasoning and the answer
+        assert [item["kind"] for item in whole].count("message") == 6
+        assert _own(path, second) == (first, 0, 3) and _own(path, third) == (second, 0, 3)
+        fourth = _turn(client, "four", third)
+        assert _own(path, fourth)[0] == third
+
+
+class _WholeStore(ResponseStore):
+    """Conversations stored whole, as before deltas: the reference for the prompts."""
+
+    def put(self, response, input_items, conversation, parent=None) -> None:
+        if parent is not None:
+            conversation = (self.conversation(parent[0]) or [])[parent[1] :] + conversation
+        super().put(response, input_items, conversation, None)
+
+
+def _prompts(store: ResponseStore, context: int) -> list[list[int]]:
+    engine = ScriptedEngine()
+    engine.info = EngineInfo("demo", context, 201088, created_at=1700000000)
+    engine.queue(*[harmony_tokens(REASONING_THEN_FINAL)] * 6)
+    words = " ".join(["word"] * 120)
+    with TestClient(create_app(engine, store, ServerConfig())) as client:
+        previous = None
+        for turn in range(6):
+            previous = _turn(client, f"{turn} {words}", previous, truncation="auto")
+    return engine.prompts
+
+
+def test_follow_up_prompts_are_those_of_whole_copies(tmp_path: Path) -> None:
+    last = {}
+    for context in (131072, 700):  # without and with truncation
+        deltas = _prompts(ResponseStore(tmp_path / f"d{context}.sqlite3"), context)
+        whole = _prompts(_WholeStore(tmp_path / f"w{context}.sqlite3"), context)
+        assert deltas == whole and len(deltas) == 6
+        last[context] = len(deltas[-1])
+    assert last[700] < 700 < last[131072]  # truncation: auto dropped turns in the small one
+
+
+def test_truncation_drops_the_parents_items_and_the_delta_says_how_many(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite3"
+    store = ResponseStore(path)
+    engine = ScriptedEngine()
+    engine.info = EngineInfo("demo", 900, 201088, created_at=1700000000)  # a small context
+    engine.queue(*[harmony_tokens(REASONING_THEN_FINAL)] * 4)
+    words = " ".join(["word"] * 300)
+    with TestClient(create_app(engine, store, ServerConfig())) as client:
+        previous = None
+        for turn in range(4):
+            previous = _turn(client, f"{turn} {words}", previous, truncation="auto")
+        parent, skip, own = _own(path, previous)
+        assert parent is not None and skip > 0 and own == 3
+        whole, before = store.conversation(previous) or [], store.conversation(parent) or []
+    assert whole[:-own] == before[skip:]
+    assert '"0 word' not in json.dumps(whole)  # the first turn was dropped
+    assert '"3 word' in json.dumps(whole[-own:])
