@@ -137,23 +137,28 @@ class _WholeStore(ResponseStore):
         super().put(response, input_items, conversation, None)
 
 
-def _prompts(store: ResponseStore, context: int) -> list[list[int]]:
+def _chain(store: ResponseStore, context: int, turns: int, words: int, inspect=None):
+    """``turns`` follow-ups of ``words`` words each with ``truncation: auto`` on an engine of
+    ``context`` tokens; ``inspect(last id)`` runs before the server (and its store) closes.
+    The prompts the engine was given."""
     engine = ScriptedEngine()
     engine.info = EngineInfo("demo", context, 201088, created_at=1700000000)
-    engine.queue(*[harmony_tokens(REASONING_THEN_FINAL)] * 6)
-    words = " ".join(["word"] * 120)
+    engine.queue(*[harmony_tokens(REASONING_THEN_FINAL)] * turns)
+    text = " ".join(["word"] * words)
     with TestClient(create_app(engine, store, ServerConfig())) as client:
         previous = None
-        for turn in range(6):
-            previous = _turn(client, f"{turn} {words}", previous, truncation="auto")
+        for turn in range(turns):
+            previous = _turn(client, f"{turn} {text}", previous, truncation="auto")
+        if inspect is not None:
+            inspect(previous)
     return engine.prompts
 
 
 def test_follow_up_prompts_are_those_of_whole_copies(tmp_path: Path) -> None:
     last = {}
     for context in (131072, 700):  # without and with truncation
-        deltas = _prompts(ResponseStore(tmp_path / f"d{context}.sqlite3"), context)
-        whole = _prompts(_WholeStore(tmp_path / f"w{context}.sqlite3"), context)
+        deltas = _chain(ResponseStore(tmp_path / f"d{context}.sqlite3"), context, 6, 120)
+        whole = _chain(_WholeStore(tmp_path / f"w{context}.sqlite3"), context, 6, 120)
         assert deltas == whole and len(deltas) == 6
         last[context] = len(deltas[-1])
     assert last[700] < 700 < last[131072]  # truncation: auto dropped turns in the small one
@@ -162,17 +167,16 @@ def test_follow_up_prompts_are_those_of_whole_copies(tmp_path: Path) -> None:
 def test_truncation_drops_the_parents_items_and_the_delta_says_how_many(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
     store = ResponseStore(path)
-    engine = ScriptedEngine()
-    engine.info = EngineInfo("demo", 900, 201088, created_at=1700000000)  # a small context
-    engine.queue(*[harmony_tokens(REASONING_THEN_FINAL)] * 4)
-    words = " ".join(["word"] * 300)
-    with TestClient(create_app(engine, store, ServerConfig())) as client:
-        previous = None
-        for turn in range(4):
-            previous = _turn(client, f"{turn} {words}", previous, truncation="auto")
-        parent, skip, own = _own(path, previous)
+    seen = {}
+
+    def inspect(last: str) -> None:
+        parent, skip, own = _own(path, last)
         assert parent is not None and skip > 0 and own == 3
-        whole, before = store.conversation(previous) or [], store.conversation(parent) or []
+        seen.update(own=own, skip=skip, whole=store.conversation(last),
+                    before=store.conversation(parent))  # fmt: skip
+
+    _chain(store, 900, 4, 300, inspect)  # a small context
+    whole, before, own, skip = seen["whole"], seen["before"], seen["own"], seen["skip"]
     assert whole[:-own] == before[skip:]
     assert '"0 word' not in json.dumps(whole)  # the first turn was dropped
     assert '"3 word' in json.dumps(whole[-own:])
