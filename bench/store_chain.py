@@ -25,17 +25,14 @@ def _run(turns: int, item_kb: int, whole: bool, folder: Path) -> dict:
     store = ResponseStore(path)
     text = "x" * (item_kb * 1024)
     parent = None
-    so_far: list[dict] = []
+    so_far: list[dict] = []  # the whole conversation, as the server passes it
     started = time.perf_counter()
     for turn in range(turns):
         own = [{"kind": "message", "text": text}, {"kind": "message", "text": text}]
         so_far += own
         response = {"id": f"resp_{turn}", "created_at": int(time.time()), "output": []}
-        if whole:
-            store.put(response, [], so_far)
-        else:
-            store.put(response, [], own, parent)
-        parent = (response["id"], 0)
+        store.put(response, [], so_far, None if whole else parent)
+        parent = (response["id"], 0, len(so_far))
     write_s = time.perf_counter() - started
     rebuild_ms = {}
     for length in sorted({10, 100, turns}):

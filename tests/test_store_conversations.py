@@ -43,8 +43,8 @@ def _own(path: Path, response_id: str) -> tuple[str | None, int, int]:
 def test_a_chain_is_rebuilt_with_the_dropped_items_left_out(tmp_path: Path) -> None:
     store = ResponseStore(tmp_path / "r.sqlite3")
     store.put(_response("resp_a"), [], _items("a1", "a2"))
-    store.put(_response("resp_b"), [], _items("b1"), ("resp_a", 0))
-    store.put(_response("resp_c"), [], _items("c1", "c2"), ("resp_b", 1))
+    store.put(_response("resp_b"), [], _items("a1", "a2", "b1"), ("resp_a", 0, 2))
+    store.put(_response("resp_c"), [], _items("a2", "b1", "c1", "c2"), ("resp_b", 1, 2))
     assert _names(store.conversation("resp_a")) == ["a1", "a2"]
     assert _names(store.conversation("resp_b")) == ["a1", "a2", "b1"]
     assert _names(store.conversation("resp_c")) == ["a2", "b1", "c1", "c2"]
@@ -55,9 +55,10 @@ def test_deleting_or_pruning_a_parent_keeps_its_children_whole(tmp_path: Path) -
     path = tmp_path / "r.sqlite3"
     store = ResponseStore(path)
     store.put(_response("resp_a", age_s=40 * 86400), [], _items("a1", "a2"))
-    store.put(_response("resp_b"), [], _items("b1"), ("resp_a", 1))
-    store.put(_response("resp_c"), [], _items("c1"), ("resp_b", 0))
-    store.put(_response("resp_d"), [], _items("d1"), ("resp_b", 2))
+    store.put(_response("resp_b"), [], _items("a2", "b1"), ("resp_a", 1, 1))
+    assert _own(path, "resp_b") == ("resp_a", 1, 1)
+    store.put(_response("resp_c"), [], _items("a2", "b1", "c1"), ("resp_b", 0, 2))
+    store.put(_response("resp_d"), [], _items("d1"), ("resp_b", 2, 0))
     assert store.prune(int(time.time()) - 30 * 86400) == 1  # resp_a
     assert _names(store.conversation("resp_b")) == ["a2", "b1"]
     assert _own(path, "resp_b") == (None, 0, 2)  # whole now
@@ -67,13 +68,26 @@ def test_deleting_or_pruning_a_parent_keeps_its_children_whole(tmp_path: Path) -
     assert _own(path, "resp_c") == (None, 0, 3) and _own(path, "resp_d") == (None, 0, 1)
 
 
+def test_a_parent_deleted_before_its_child_is_stored_leaves_the_child_whole(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r.sqlite3"
+    store = ResponseStore(path)
+    store.put(_response("resp_a"), [], _items("a1"))
+    assert store.delete("resp_a")  # while resp_b, which continues it, still ran
+    store.put(_response("resp_b"), [], _items("a1", "b1"), ("resp_a", 0, 1))
+    assert _own(path, "resp_b") == (None, 0, 2)
+    assert _names(store.conversation("resp_b")) == ["a1", "b1"]
+
+
 def test_a_long_chain_grows_linearly_on_disk(tmp_path: Path) -> None:
     path = tmp_path / "r.sqlite3"
     store = ResponseStore(path)
-    parent = None
+    parent, whole = None, []
     for turn in range(200):
-        store.put(_response(f"resp_{turn}"), [], _items(f"in{turn}", f"out{turn}"), parent)
-        parent = (f"resp_{turn}", 0)
+        whole = [*whole, *_items(f"in{turn}", f"out{turn}")]
+        store.put(_response(f"resp_{turn}"), [], whole, parent)
+        parent = (f"resp_{turn}", 0, len(whole))
     assert _names(store.conversation("resp_199"))[-4:] == ["in198", "out198", "in199", "out199"]
     assert len(store.conversation("resp_199") or []) == 400
     with sqlite3.connect(path) as connection:
@@ -98,7 +112,7 @@ def test_a_file_written_before_deltas_is_read_and_extended(tmp_path: Path) -> No
         )  # fmt: skip
     store = ResponseStore(path)
     assert _names(store.conversation("resp_old")) == ["o1", "o2"]
-    store.put(_response("resp_new"), [], _items("n1"), ("resp_old", 0))
+    store.put(_response("resp_new"), [], _items("o1", "o2", "n1"), ("resp_old", 0, 2))
     assert _names(store.conversation("resp_new")) == ["o1", "o2", "n1"]
 
 
@@ -132,8 +146,7 @@ class _WholeStore(ResponseStore):
     """Conversations stored whole, as before deltas: the reference for the prompts."""
 
     def put(self, response, input_items, conversation, parent=None) -> None:
-        if parent is not None:
-            conversation = (self.conversation(parent[0]) or [])[parent[1] :] + conversation
+        del parent
         super().put(response, input_items, conversation, None)
 
 

@@ -70,11 +70,10 @@ class Prepared:
     conversation: list[Item]  # previous + this request's input (what a follow-up continues)
     input_items: list[dict[str, Any]]
     params: SamplingParams
-    # How ``conversation`` continues the previous response's, which the store keeps: (its id,
-    # how many of its leading items the fitting dropped), and where this request's own items
-    # start; None when nothing of it is left (or there is none).
-    parent: tuple[str, int] | None = None
-    own_start: int = 0
+    # How ``conversation`` continues the previous response's, so that the store can keep only
+    # a delta: (its id, how many of its leading items the fitting dropped, where this
+    # request's own items start); None when nothing of it is left (or there is none).
+    parent: tuple[str, int, int] | None = None
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -219,8 +218,7 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
     # The fitting drops whole items from the front (truncation: auto): of the history first.
     dropped = len(draft.render.items) - len(render.items)
     if request.previous_response_id is not None and dropped < draft.history_len:
-        prepared.parent = (request.previous_response_id, dropped)
-        prepared.own_start = draft.history_len - dropped
+        prepared.parent = (request.previous_response_id, dropped, draft.history_len - dropped)
     return prepared
 
 
@@ -400,6 +398,5 @@ def store_response(prepared: Prepared, store: ResponseStore) -> None:
         return
     response = prepared.response.dump()
     output = output_to_items(response["output"])
-    own = [*prepared.conversation[prepared.own_start :], *output]
-    conversation = [item_to_json(item) for item in own]
+    conversation = [item_to_json(item) for item in [*prepared.conversation, *output]]
     store.put(response, prepared.input_items, conversation, prepared.parent)

@@ -51,6 +51,7 @@ WITH RECURSIVE chain(id, parent_id, parent_skip, conversation, depth) AS (
     UNION ALL
     SELECT r.id, r.parent_id, r.parent_skip, r.conversation, chain.depth + 1
     FROM responses AS r JOIN chain ON r.id = chain.parent_id
+    WHERE chain.depth < 1000000  -- a cycle (never written by this code) cannot hang a query
 )
 SELECT id, parent_id, parent_skip, conversation FROM chain ORDER BY depth DESC
 """
@@ -75,19 +76,27 @@ class ResponseStore:
         response: dict[str, Any],
         input_items: list[dict[str, Any]],
         conversation: list[dict[str, Any]],
-        parent: tuple[str, int] | None = None,
+        parent: tuple[str, int, int] | None = None,
     ) -> None:
-        """``conversation``: the response's own items; with ``parent`` (its id, and how many of
-        its leading items to drop) they follow that response's conversation, else they are
-        all of it."""
+        """``conversation``: the whole of it. ``parent`` (id, skip, own): its first ``own``
+        items are that response's conversation without its first ``skip``; then only the rest
+        is stored, as a delta, if that response is still here (one deleted meanwhile, say
+        while this one ran, leaves it whole)."""
         items = [(item["id"], response["id"], json.dumps(item)) for item in input_items]
         items += [(item["id"], response["id"], json.dumps(item)) for item in response["output"]]
-        parent_id, parent_skip = parent if parent is not None else (None, 0)
         with self._lock, self._connection:
+            parent_id, skip, own = parent if parent is not None else (None, 0, 0)
+            if (
+                parent_id is not None
+                and not self._connection.execute(
+                    "SELECT 1 FROM responses WHERE id = ?", (parent_id,)
+                ).fetchone()
+            ):
+                parent_id, skip, own = None, 0, 0
             self._connection.execute(
                 "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (response["id"], response["created_at"], json.dumps(response),
-                 json.dumps(input_items), json.dumps(conversation), parent_id, parent_skip),
+                 json.dumps(input_items), json.dumps(conversation[own:]), parent_id, skip),
             )  # fmt: skip
             # An item id belongs to the response that first stored it: a later response that
             # references it (item_reference) must not take it over, or deleting that one
