@@ -1,5 +1,6 @@
 """A finished response is stored off the event loop (its JSON and SQLite's commit would stall
-every other stream), and before its terminal event reaches the client."""
+every other stream), and before its terminal event reaches the client; a stored conversation
+that a follow-up continues is read off it too."""
 
 from __future__ import annotations
 
@@ -25,10 +26,15 @@ class _RecordingStore(ResponseStore):
     def __init__(self) -> None:
         super().__init__(":memory:")
         self.puts_on_loop: list[bool] = []
+        self.reads_on_loop: list[bool] = []
 
     def put(self, response, input_items, conversation, parent=None) -> None:
         self.puts_on_loop.append(_on_event_loop())
         super().put(response, input_items, conversation, parent)
+
+    def conversation(self, response_id):
+        self.reads_on_loop.append(_on_event_loop())
+        return super().conversation(response_id)
 
 
 def test_responses_are_stored_off_the_loop_before_the_terminal_event() -> None:
@@ -47,3 +53,18 @@ def test_responses_are_stored_off_the_loop_before_the_terminal_event() -> None:
                     assert store.get(response_id) is not None
                     break
     assert store.puts_on_loop == [False, False]
+
+
+def test_a_follow_up_reads_the_stored_conversation_off_the_loop() -> None:
+    engine = ScriptedEngine()
+    engine.queue(harmony_tokens(REASONING_THEN_FINAL))
+    store = _RecordingStore()
+    body = {"model": "demo", "input": "Hi", "max_output_tokens": 64}
+    with TestClient(create_app(engine, store, ServerConfig())) as client:
+        first = client.post("/v1/responses", json=body).json()["id"]
+        follow = {**body, "previous_response_id": first}
+        assert client.post("/v1/responses", json=follow).status_code == 200
+        counted = client.post("/v1/responses/input_tokens", json={"input": "Hi",
+                              "previous_response_id": first})  # fmt: skip
+        assert counted.status_code == 200
+    assert store.reads_on_loop and not any(store.reads_on_loop)

@@ -104,7 +104,7 @@ async def prepare(
     input's tokens are counted in a worker thread, in short runs between which the event loop
     gets the GIL (context_fit.py); a prompt of over 32k characters is rendered in a worker
     process, since the renderer holds the GIL throughout (render_workers.py)."""
-    draft = begin(request, engine, store, config)
+    draft = await _begin(request, engine, store, config)
     return finish(draft, config, await _fit(draft, renderers))
 
 
@@ -117,8 +117,19 @@ async def count_input_tokens(
 ) -> int:
     """The tokens of the prompt ``request`` makes (after ``truncation: auto`` dropped what it
     must): ``POST /v1/responses/input_tokens``. Raises APIError as ``prepare`` does."""
-    prompt_ids, _ = await _fit(begin(request, engine, store, config), renderers)
+    prompt_ids, _ = await _fit(await _begin(request, engine, store, config), renderers)
     return len(prompt_ids)
+
+
+async def _begin(
+    request: CreateResponseRequest, engine: EngineClient, store: ResponseStore, config: ServerConfig
+) -> Draft:
+    """``begin`` in a worker thread when it reads a stored conversation: a long one is a
+    query and many small JSON parses, between which the event loop gets the GIL (in-line, the
+    streams would wait for all of it)."""
+    if request.previous_response_id is None:
+        return begin(request, engine, store, config)
+    return await asyncio.to_thread(begin, request, engine, store, config)
 
 
 async def _fit(draft: Draft, renderers: RenderWorkers) -> tuple[list[int], RenderRequest]:
