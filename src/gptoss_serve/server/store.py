@@ -114,8 +114,9 @@ class ResponseStore:
     def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
         """The whole conversation a follow-up of ``response_id`` continues, rebuilt from its
         chain of deltas; None for an unknown id."""
-        with self._lock:
-            return self._rebuild(response_id)
+        with self._lock:  # the query only: the parsing needs no lock
+            chain = self._connection.execute(_CHAIN, (response_id,)).fetchall()
+        return _assemble(chain)
 
     def item(self, item_id: str) -> dict[str, Any] | None:
         row = self._one("SELECT item FROM items WHERE id = ?", item_id)
@@ -153,21 +154,6 @@ class ResponseStore:
             self._closed = True
             self._connection.close()
 
-    def _rebuild(self, response_id: str) -> list[dict[str, Any]] | None:
-        """(The lock held.) The parent's items after its dropped ones, then the response's
-        own, from the chain's root down."""
-        chain = self._connection.execute(_CHAIN, (response_id,)).fetchall()
-        if not chain:
-            return None
-        root_id, root_parent, _, _ = chain[0]
-        if root_parent is not None:  # deleted without its children detached: not by this code
-            logger.warning("response %s continues %s, which is gone: its conversation starts "
-                           "at its own items", root_id, root_parent)  # fmt: skip
-        items: list[dict[str, Any]] = []
-        for _, _, skip, own in chain:
-            items = items[skip:] + json.loads(own)
-        return items
-
     def _detach_children(self, ids: list[str]) -> None:
         """(The lock held, in the caller's transaction.) The responses that continue one of
         ``ids`` and are not among them get their conversation stored whole, before ``ids``
@@ -180,7 +166,7 @@ class ResponseStore:
             [*ids, *ids],
         ).fetchall()  # fmt: skip
         for (child,) in children:
-            whole = self._rebuild(child)
+            whole = _assemble(self._connection.execute(_CHAIN, (child,)).fetchall())
             self._connection.execute(
                 "UPDATE responses SET conversation = ?, parent_id = NULL, parent_skip = 0 "
                 "WHERE id = ?", (json.dumps(whole), child),
@@ -200,3 +186,18 @@ class ResponseStore:
         with self._lock:
             row = self._connection.execute(query, (key,)).fetchone()
         return None if row is None else row[0]
+
+
+def _assemble(chain: list[tuple[str, str | None, int, str]]) -> list[dict[str, Any]] | None:
+    """A conversation from its chain's rows, root first: the parent's items after its dropped
+    ones, then each response's own; None for no rows (an unknown id)."""
+    if not chain:
+        return None
+    root_id, root_parent, _, _ = chain[0]
+    if root_parent is not None:  # deleted without its children detached: not by this code
+        logger.warning("response %s continues %s, which is gone: its conversation starts at "
+                       "its own items", root_id, root_parent)  # fmt: skip
+    items: list[dict[str, Any]] = []
+    for _, _, skip, own in chain:
+        items = items[skip:] + json.loads(own)
+    return items
