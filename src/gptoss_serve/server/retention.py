@@ -1,8 +1,8 @@
 """Stored responses expire: ``ServerConfig.store_retention_s`` after they were created (30 days
 by default, as the official API keeps them; ``--store-retention-days``), so that a server
-running for months does not fill its disk with every conversation it ever served (each stored
-response keeps its whole conversation). An expired response is gone as a deleted one is: a
-404, also as a ``previous_response_id``.
+running for months does not fill its disk with every conversation it ever served. An expired
+response is gone as a deleted one is: a 404, also as a ``previous_response_id`` (the responses
+that continue it keep their conversations: store.py).
 
 The pruning runs at start-up and then every ``store_prune_interval_s``, in a thread (a large
 backlog takes a while; the store lets other calls in between its batches).
