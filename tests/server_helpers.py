@@ -140,14 +140,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(app) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on a loopback port in a thread; yield its base URL."""
+def running_server(app, **options) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a loopback port in a thread; yield its base URL.
+    ``options``: more of uvicorn.Config's (``ssl_certfile`` and ``ssl_keyfile``: https)."""
     port = free_port()
     # Idle connections kept for the server's life: with uvicorn's default 5 s a client that
     # does not retry (max_retries=0) could reuse a pooled connection as the server closed it
     # ("Server disconnected without sending a response", seen once in CI on 2 cores).
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            timeout_keep_alive=600)  # fmt: skip
+                            timeout_keep_alive=600, **options)  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -157,7 +158,7 @@ def running_server(app) -> Iterator[str]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if 'ssl_certfile' in options else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

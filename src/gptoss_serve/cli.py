@@ -144,6 +144,24 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _add_access_args(serve: argparse.ArgumentParser) -> None:
+    """Who may reach the server and how: TLS, API keys, CORS origins, the model's ids."""
+    serve.add_argument("--ssl-certfile", type=Path, default=None,
+                       help="serve HTTPS with this PEM certificate (and its key)")  # fmt: skip
+    serve.add_argument("--ssl-keyfile", type=Path, default=None,
+                       help="the certificate's PEM private key")  # fmt: skip
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on the /v1 routes (repeat for "
+                       f"several keys; or set {API_KEY_ENV}); /health and /metrics stay "
+                       "open")  # fmt: skip
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="browser origins (scheme://host[:port], or '*') answered with CORS "
+                       "headers (default: none)")  # fmt: skip
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the ids requests name the model by (the first is the one responses "
+                       "carry; default: 'demo', or the checkpoint directory's name)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gptoss-serve", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING ...")
@@ -186,16 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=ServerConfig.render_processes,
                        help="worker processes that render large prompts off the event loop "
                        "(0: in the server's process)")  # fmt: skip
-    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on the /v1 routes (repeat for "
-                       f"several keys; or set {API_KEY_ENV}); /health and /metrics stay "
-                       "open")  # fmt: skip
-    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
-                       help="browser origins (scheme://host[:port], or '*') answered with CORS "
-                       "headers (default: none)")  # fmt: skip
-    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="the ids requests name the model by (the first is the one responses "
-                       "carry; default: 'demo', or the checkpoint directory's name)")  # fmt: skip
+    _add_access_args(serve)
     serve.add_argument("--max-concurrent", type=_positive_int, default=8,
                        help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
     serve.add_argument("--engine", choices=("auto", "gpu", "cpu"), default="auto",
@@ -512,6 +521,7 @@ def run_serve(args: argparse.Namespace) -> int:
     keys = api_keys(args.api_key, os.environ)  # before minutes of weight loading
     name, *aliases = served_names(args.served_model_name, args.model)
     origins = allowed_origins(args.allowed_origins)
+    tls = tls_options(args.ssl_certfile, args.ssl_keyfile)
     config = ServerConfig(
         host=args.host, port=args.port, store_path=str(store_path),
         store_retention_s=_retention_s(args.store_retention_days),
@@ -538,10 +548,23 @@ def run_serve(args: argparse.Namespace) -> int:
                            max_context_tokens=args.max_model_len)  # fmt: skip
     app = create_app(engine, ResponseStore(config.store_path), config)
     access = f"{len(keys)} API key(s) required" if keys else "no API key required"
-    logger.warning("serving %s on http://%s:%d (store: %s; %s)", ", ".join([name, *aliases]),
-                   args.host, args.port, store_path, access)  # fmt: skip
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower())
+    scheme = "https" if tls else "http"
+    logger.warning("serving %s on %s://%s:%d (store: %s; %s)", ", ".join([name, *aliases]),
+                   scheme, args.host, args.port, store_path, access)  # fmt: skip
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower(), **tls)
     return 0
+
+
+def tls_options(certfile: Path | None, keyfile: Path | None) -> dict[str, str]:
+    """uvicorn's TLS arguments: both files, readable, or neither (plain HTTP)."""
+    if certfile is None and keyfile is None:
+        return {}
+    if certfile is None or keyfile is None:
+        raise UsageError("--ssl-certfile and --ssl-keyfile go together")
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not path.is_file():
+            raise UsageError(f"{flag}: no file {path}")
+    return {"ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile)}
 
 
 def run_bench(args: argparse.Namespace) -> int:
