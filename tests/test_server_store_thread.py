@@ -37,15 +37,21 @@ class _RecordingStore(ResponseStore):
         return super().conversation(response_id)
 
 
+BODY = {"model": "demo", "input": "Hi", "max_output_tokens": 64}
+
+
+def _client(store: ResponseStore) -> TestClient:
+    """The app over ``store``, its engine answering every request with the same script."""
+    engine = ScriptedEngine([harmony_tokens(REASONING_THEN_FINAL)])
+    return TestClient(create_app(engine, store, ServerConfig()))
+
+
 def test_responses_are_stored_off_the_loop_before_the_terminal_event() -> None:
-    engine = ScriptedEngine()
-    engine.queue(harmony_tokens(REASONING_THEN_FINAL))
     store = _RecordingStore()
-    body = {"model": "demo", "input": "Hi", "max_output_tokens": 64}
-    with TestClient(create_app(engine, store, ServerConfig())) as client:
-        created = client.post("/v1/responses", json=body).json()
+    with _client(store) as client:
+        created = client.post("/v1/responses", json=BODY).json()
         assert client.get(f"/v1/responses/{created['id']}").status_code == 200
-        with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as stream:
+        with client.stream("POST", "/v1/responses", json={**BODY, "stream": True}) as stream:
             for line in stream.iter_lines():
                 if line.startswith("data: ") and '"response.completed"' in line:
                     response_id = line.split('"id":"', 1)[1].split('"', 1)[0]
@@ -56,13 +62,10 @@ def test_responses_are_stored_off_the_loop_before_the_terminal_event() -> None:
 
 
 def test_a_follow_up_reads_the_stored_conversation_off_the_loop() -> None:
-    engine = ScriptedEngine()
-    engine.queue(harmony_tokens(REASONING_THEN_FINAL))
     store = _RecordingStore()
-    body = {"model": "demo", "input": "Hi", "max_output_tokens": 64}
-    with TestClient(create_app(engine, store, ServerConfig())) as client:
-        first = client.post("/v1/responses", json=body).json()["id"]
-        follow = {**body, "previous_response_id": first}
+    with _client(store) as client:
+        first = client.post("/v1/responses", json=BODY).json()["id"]
+        follow = {**BODY, "previous_response_id": first}
         assert client.post("/v1/responses", json=follow).status_code == 200
         counted = client.post("/v1/responses/input_tokens", json={"input": "Hi",
                               "previous_response_id": first})  # fmt: skip

@@ -19,7 +19,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,7 @@ from gptoss_serve.config import (
     EngineConfig,
     SchedulerConfig,
     ServerConfig,
+    check_model_id,
 )
 from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
 from gptoss_serve.engine import seats
@@ -346,16 +347,15 @@ def _load_weights(model: str, *, dtype: torch.dtype) -> tuple[ModelWeights, str]
     if not torch.cuda.is_available():
         raise UsageError("the GPU engine needs CUDA (use --engine cpu)")
     started = time.perf_counter()
+    name = _model_name(model)
     if model in SYNTHETIC_MODELS:
         weights = synthetic_weights(synthetic_model_config(model), device="cuda", dtype=dtype)
-        name = model
     else:
         try:
             model_dir = resolve_model_dir(model, cache_dir())
         except FileNotFoundError as error:
             raise UsageError(str(error)) from error
         weights = load_weights(model_dir, device="cuda", dtype=dtype, progress=True)
-        name = _model_name(model)
     logger.warning("weights of %s ready in %.1fs (%.2f GB)", name,
                    time.perf_counter() - started, weights.num_bytes() / 1e9)  # fmt: skip
     return weights, name
@@ -470,37 +470,33 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked(flag: str, values: Sequence[str], check: Callable[[str], None]) -> tuple[str, ...]:
+    """``values`` in order without repeats, each passed by ``check``, whose ValueError becomes
+    a usage error naming ``flag``."""
+    for value in values:
+        try:
+            check(value)
+        except ValueError as error:
+            raise UsageError(f"{flag}: {error}") from error
+    return tuple(dict.fromkeys(values))
+
+
 def api_keys(flags: list[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
     """The keys of ``--api-key`` and of the environment's GPTOSS_SERVE_API_KEY, checked."""
-    keys = list(flags or [])
-    if environ.get(API_KEY_ENV):
-        keys.append(environ[API_KEY_ENV])
-    for key in keys:
-        try:
-            check_api_key(key)
-        except ValueError as error:
-            raise UsageError(f"--api-key / {API_KEY_ENV}: {error}") from error
-    return tuple(dict.fromkeys(keys))
+    keys = [*(flags or []), *([environ[API_KEY_ENV]] if environ.get(API_KEY_ENV) else [])]
+    return _checked(f"--api-key / {API_KEY_ENV}", keys, check_api_key)
 
 
 def served_names(names: list[str] | None, model: str) -> tuple[str, ...]:
     """The model's ids: ``--served-model-name``'s, in order, else the one ``--model`` gives."""
     if not names:
         return (_model_name(model),)
-    for name in names:
-        if not name or name != name.strip():
-            raise UsageError(f"--served-model-name: {name!r} is empty or has surrounding spaces")
-    return tuple(dict.fromkeys(names))
+    return _checked("--served-model-name", names, check_model_id)
 
 
 def allowed_origins(origins: list[str] | None) -> tuple[str, ...]:
     """``--allowed-origins``, checked (a path or a missing scheme would never match)."""
-    for origin in origins or []:
-        try:
-            check_origin(origin)
-        except ValueError as error:
-            raise UsageError(f"--allowed-origins: {error}") from error
-    return tuple(dict.fromkeys(origins or []))
+    return _checked("--allowed-origins", origins or [], check_origin)
 
 
 def _retention_s(days: float) -> int:

@@ -332,6 +332,13 @@ class SampledToken(int):
         return SampledToken, (int(self), self.logprob, self.top)
 
 
+def check_model_id(name: str) -> None:
+    """An id the model may be served under (``--served-model-name``): not empty, without
+    surrounding spaces. Raises ValueError."""
+    if not name or name != name.strip():
+        raise ValueError(f"{name!r} is empty or has surrounding spaces")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -373,8 +380,11 @@ class ServerConfig:
             raise ValueError("render_processes must be >= 0")
         if self.store_retention_s < 0 or not self.store_prune_interval_s > 0:
             raise ValueError("store_retention_s must be >= 0, store_prune_interval_s > 0")
-        if any(not alias or alias != alias.strip() for alias in self.model_aliases):
-            raise ValueError("model aliases must be non-empty, without surrounding spaces")
+        for alias in self.model_aliases:
+            try:
+                check_model_id(alias)
+            except ValueError as error:
+                raise ValueError(f"model aliases: {error}") from error
         for effort in ("low", "medium", "high"):
             if self.reasoning_budget(effort) < 0:
                 raise ValueError(f"reasoning_budget_{effort} must be >= 0")

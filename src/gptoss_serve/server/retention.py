@@ -22,9 +22,9 @@ from gptoss_serve.server.store import ResponseStore
 logger = logging.getLogger(__name__)
 
 
-def prune_expired(store: ResponseStore, retention_s: int, now: float | None = None) -> int:
+def prune_expired(store: ResponseStore, retention_s: int) -> int:
     """Delete the responses older than ``retention_s``; how many went."""
-    cutoff = int(time.time() if now is None else now) - retention_s
+    cutoff = int(time.time()) - retention_s
     deleted = store.prune(cutoff)
     if deleted:
         logger.info("pruned %d stored responses older than %d s", deleted, retention_s)
