@@ -20,6 +20,8 @@ from gptoss_serve.server import constraints
 from gptoss_serve.server.api_keys import ApiKeyAuth
 from gptoss_serve.server.background import BackgroundRuns
 from gptoss_serve.server.body_limit import BodyLimit
+from gptoss_serve.server.conversation_locks import ConversationLocks
+from gptoss_serve.server.conversation_routes import add_conversation_routes
 from gptoss_serve.server.cors import OpenAICors
 from gptoss_serve.server.errors import bad_request, install_error_handlers, not_found
 from gptoss_serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -65,6 +67,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     metrics = ServerMetrics(engine.stats)
     runs = BackgroundRuns(engine, store, metrics)
     renderers = RenderWorkers(config.render_processes)
+    locks = ConversationLocks()
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
     _add_middleware(app, config)
@@ -76,7 +79,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
               responses={**_ERRORS, 413: {"model": ErrorResponse}, **_SSE_DOC})  # fmt: skip
     async def create_response(body: CreateResponseRequest, request: Request):
         _check_previous_ended(runs, body.previous_response_id)
-        prepared = await prepare(body, engine, store, config, renderers)
+        prepared = await prepare(body, engine, store, config, renderers, locks=locks)
         if body.background:  # runs on without this request; its events are kept
             background = runs.start(prepared)
             if body.stream:
@@ -121,6 +124,13 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             raise not_found(f"Response with id '{response_id}' not found.", "response_id")
         return DeletedResponse(id=response_id)
 
+    _add_input_items_route(app, store)
+    add_conversation_routes(app, store, locks)
+    _add_service_routes(app, models, metrics, engine)
+    return app
+
+
+def _add_input_items_route(app: FastAPI, store: ResponseStore) -> None:
     @app.get(
         "/v1/responses/{response_id}/input_items",
         response_model=InputItemList,
@@ -149,9 +159,6 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             last_id=page[-1]["id"] if page else None,
             has_more=len(items) > limit,
         )
-
-    _add_service_routes(app, models, metrics, engine)
-    return app
 
 
 def _add_middleware(app: FastAPI, config: ServerConfig) -> None:

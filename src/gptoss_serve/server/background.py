@@ -95,6 +95,8 @@ class BackgroundRuns:
             background.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await background.task
+        if background.prepared.lease is not None:  # a run cancelled before it began
+            background.prepared.lease.release()
         return background.snapshot()
 
     async def forget(self, response_id: str) -> None:

@@ -99,6 +99,10 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens", "content_filter"]
 
 
+class ConversationRefObject(BaseModel):
+    id: str
+
+
 class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
@@ -106,6 +110,7 @@ class ResponseObject(BaseModel):
     status: Literal["completed", "incomplete", "failed", "in_progress", "queued", "cancelled"]
     background: bool = False
     completed_at: int | None = None  # set when the status becomes `completed`, as the API does
+    conversation: ConversationRefObject | None = None  # the one its items were added to
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
@@ -154,6 +159,23 @@ class InputItemList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+
+class ConversationObject(BaseModel):
+    id: str
+    object: Literal["conversation"] = "conversation"
+    created_at: int
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedConversation(BaseModel):
+    id: str
+    object: Literal["conversation.deleted"] = "conversation.deleted"
+    deleted: Literal[True] = True
+
+
+class ConversationItemList(InputItemList):
+    """A page of a conversation's items (the same list object as input_items')."""
 
 
 class ModelObject(BaseModel):

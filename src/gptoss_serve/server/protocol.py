@@ -86,7 +86,15 @@ class FunctionCallItem(_Strict):
     # nulls): a direct call, in no namespace, not async, the only kind this server makes.
     caller: CallerDirect | None = None
     namespace: None = None
-    async_: Literal[False] | None = Field(default=None, alias="async")
+    # A bool that must be false (Literal[False] would take 0: 0 == False in Python).
+    async_: bool | None = Field(default=None, alias="async")
+
+    @field_validator("async_")
+    @classmethod
+    def _not_async(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("this server makes no async calls: it must be false")
+        return value
 
 
 class FunctionCallOutputItem(_Strict):
@@ -303,6 +311,24 @@ NULL_MEANS_DEFAULT = frozenset(
 MAX_OUTPUT_TOKENS = (1 << 31) - 1
 
 
+def _check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    # The official limits: 16 pairs, keys up to 64 characters, values up to 512.
+    if value is None:
+        return value
+    if len(value) > 16:
+        raise ValueError("at most 16 key-value pairs")
+    for key, item in value.items():
+        if len(key) > 64:
+            raise ValueError(f"key {key[:20]!r}... is longer than 64 characters")
+        if len(item) > 512:
+            raise ValueError(f"value of {key!r} is longer than 512 characters")
+    return value
+
+
+class ConversationRef(_Strict):
+    id: str = Field(min_length=1)
+
+
 class CreateResponseRequest(_Strict):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
@@ -322,6 +348,9 @@ class CreateResponseRequest(_Strict):
     store: bool = True
     background: bool = False
     previous_response_id: str | None = None
+    # A conversation (/v1/conversations): its items are the history, this response's input
+    # and output items are added to it. Not with previous_response_id.
+    conversation: Annotated[str, Field(min_length=1)] | ConversationRef | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     user: str | None = None
@@ -345,26 +374,20 @@ class CreateResponseRequest(_Strict):
             return {k: v for k, v in data.items() if v is not None or k not in NULL_MEANS_DEFAULT}
         return data
 
-    @field_validator("metadata")
-    @classmethod
-    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        # The official limits: 16 pairs, keys up to 64 characters, values up to 512.
-        if value is None:
-            return value
-        if len(value) > 16:
-            raise ValueError("at most 16 key-value pairs")
-        for key, item in value.items():
-            if len(key) > 64:
-                raise ValueError(f"key {key[:20]!r}... is longer than 64 characters")
-            if len(item) > 512:
-                raise ValueError(f"value of {key!r} is longer than 512 characters")
-        return value
+    _check_metadata = field_validator("metadata")(_check_metadata)
+
+    @property
+    def conversation_id(self) -> str | None:
+        """The conversation's id, from either form of ``conversation``."""
+        if isinstance(self.conversation, ConversationRef):
+            return self.conversation.id
+        return self.conversation
 
 
 class InputTokenCountRequest(_Strict):
     """``POST /v1/responses/input_tokens``: the fields of a create request that make the prompt,
-    each optional (``model``: the served one). ``conversation`` and ``personality`` are not
-    served here (a 400 naming them, as unknown fields)."""
+    each optional (``model``: the served one). ``personality`` is not served here (a 400
+    naming it, as an unknown field)."""
 
     model: str | None = Field(default=None, min_length=1)
     input: str | list[InputItem] | None = None
@@ -375,6 +398,7 @@ class InputTokenCountRequest(_Strict):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     previous_response_id: str | None = None
+    conversation: Annotated[str, Field(min_length=1)] | ConversationRef | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
     def as_create_request(self, served_model: str) -> CreateResponseRequest:
@@ -385,3 +409,26 @@ class InputTokenCountRequest(_Strict):
         fields["model"] = self.model or served_model
         fields.setdefault("input", [])
         return CreateResponseRequest.model_construct(**fields)
+
+
+# -- /v1/conversations ------------------------------------------------------------------------
+
+# The official limit on the items one call adds (create, or add items).
+MAX_ITEMS_PER_CALL = 20
+
+
+class CreateConversationRequest(_Strict):
+    items: list[InputItem] | None = Field(default=None, max_length=MAX_ITEMS_PER_CALL)
+    metadata: dict[str, str] | None = None
+
+    _check_metadata = field_validator("metadata")(_check_metadata)
+
+
+class UpdateConversationRequest(_Strict):
+    metadata: dict[str, str] | None  # required; null clears it
+
+    _check_metadata = field_validator("metadata")(_check_metadata)
+
+
+class AddConversationItemsRequest(_Strict):
+    items: list[InputItem] = Field(min_length=1, max_length=MAX_ITEMS_PER_CALL)

@@ -33,10 +33,13 @@ from gptoss_serve.server.conversation import (
     item_to_json,
     output_to_items,
 )
-from gptoss_serve.server.errors import APIError, bad_request
+from gptoss_serve.server.conversation_locks import ConversationLease, ConversationLocks
+from gptoss_serve.server.conversation_store import ConversationItem
+from gptoss_serve.server.errors import APIError, bad_request, not_found
 from gptoss_serve.server.logprobs import logprob_entry
 from gptoss_serve.server.metrics import RequestTimer, ServerMetrics
 from gptoss_serve.server.objects import (
+    ConversationRefObject,
     IncompleteDetails,
     ResponseError,
     ResponseObject,
@@ -74,6 +77,11 @@ class Prepared:
     # a delta: (its id, how many of its leading items the fitting dropped, where this
     # request's own items start); None when nothing of it is left (or there is none).
     parent: tuple[str, int, int] | None = None
+    # With ``conversation``: this request's own items (as ``input_items``, in Harmony form),
+    # added to it with the output when the response ends, and the lease that keeps other
+    # responses off it meanwhile (conversation_locks.py).
+    own_items: list[Item] = field(default_factory=list)
+    lease: ConversationLease | None = None
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -90,7 +98,7 @@ class Draft:
     input_items: list[dict[str, Any]]
     model_name: str
     context: int
-    history_len: int = 0  # the leading items of render.items that previous_response_id gave
+    history_len: int = 0  # the leading items of render.items that the history gave
 
 
 async def prepare(
@@ -99,13 +107,26 @@ async def prepare(
     store: ResponseStore,
     config: ServerConfig,
     renderers: RenderWorkers,
+    *,
+    locks: ConversationLocks,
 ) -> Prepared:
     """Check everything a client could get wrong; build the prompt. Raises APIError. A large
     input's tokens are counted in a worker thread, in short runs between which the event loop
     gets the GIL (context_fit.py); a prompt of over 32k characters is rendered in a worker
-    process, since the renderer holds the GIL throughout (render_workers.py)."""
-    draft = await _begin(request, engine, store, config)
-    return finish(draft, config, await _fit(draft, renderers))
+    process, since the renderer holds the GIL throughout (render_workers.py). A conversation
+    is leased before its items are read (so no other response adds to it meanwhile) until the
+    response ends: ``run`` releases it."""
+    conversation_id = request.conversation_id
+    lease = None if conversation_id is None else locks.acquire(conversation_id)
+    try:
+        draft = await _begin(request, engine, store, config)
+        prepared = finish(draft, config, await _fit(draft, renderers))
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+    prepared.lease = lease
+    return prepared
 
 
 async def count_input_tokens(
@@ -127,7 +148,7 @@ async def _begin(
     """``begin`` in a worker thread when it reads a stored conversation: a long one is a
     query and many small JSON parses, between which the event loop gets the GIL (in-line, the
     streams would wait for all of it)."""
-    if request.previous_response_id is None:
+    if request.previous_response_id is None and request.conversation is None:
         return begin(request, engine, store, config)
     return await asyncio.to_thread(begin, request, engine, store, config)
 
@@ -158,12 +179,15 @@ def begin(
     _check_unsupported(request)
     tools = _check_tools(request)
     history = _history(request, store)
-    converter = InputConverter(history, store.item)
+    converter = InputConverter(history, lambda item_id: stored_item(store, item_id))
     if isinstance(request.input, str):
         converter.add_text(request.input)
     else:
         for index, raw in enumerate(request.input):
             converter.add(raw, f"input[{index}]")
+    if request.conversation_id is not None:
+        ids = [item["id"] for item in converter.listed]
+        check_new_items(ids, store.conversations.present_ids(request.conversation_id, ids), "input")
     conversation = history + converter.items
     if not conversation:
         raise bad_request("The input must contain at least one item.", "input")
@@ -208,6 +232,7 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
         model=draft.model_name,
         parallel_tool_calls=request.parallel_tool_calls,
         previous_response_id=request.previous_response_id,
+        conversation=_conversation_ref(request),
         prompt_cache_key=request.prompt_cache_key,
         prompt_cache_retention=request.prompt_cache_retention,
         reasoning=request.reasoning.model_copy(update={"effort": render.reasoning_effort}),
@@ -224,8 +249,9 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
         user=request.user,
     )
     prepared = Prepared(
-        request, response, prompt_ids, list(render.items), draft.input_items, params
-    )
+        request, response, prompt_ids, list(render.items), draft.input_items, params,
+        own_items=list(draft.render.items[draft.history_len :]),
+    )  # fmt: skip
     # The fitting drops whole items from the front (truncation: auto): of the history first.
     dropped = len(draft.render.items) - len(render.items)
     if request.previous_response_id is not None and dropped < draft.history_len:
@@ -302,6 +328,15 @@ def _check_tools(request: CreateResponseRequest) -> tuple[FunctionTool, ...]:
 
 
 def _history(request: CreateResponseRequest, store: ResponseStore) -> list[Item]:
+    conversation_id = request.conversation_id
+    if conversation_id is not None:
+        if request.previous_response_id is not None:
+            message = "Mutually exclusive parameters: provide only one of 'previous_response_id' "
+            raise bad_request(message + "or 'conversation'.", "conversation")
+        items = store.conversations.history(conversation_id)
+        if items is None:
+            raise not_found(f"Conversation with id '{conversation_id}' not found.", "conversation")
+        return [item_from_json(entry) for entry in items]
     if request.previous_response_id is None:
         return []
     stored = store.conversation(request.previous_response_id)
@@ -311,6 +346,30 @@ def _history(request: CreateResponseRequest, store: ResponseStore) -> list[Item]
             param="previous_response_id", code="previous_response_not_found",
         )  # fmt: skip
     return [item_from_json(entry) for entry in stored]
+
+
+def _conversation_ref(request: CreateResponseRequest) -> ConversationRefObject | None:
+    conversation_id = request.conversation_id
+    return None if conversation_id is None else ConversationRefObject(id=conversation_id)
+
+
+def stored_item(store: ResponseStore, item_id: str) -> dict[str, Any] | None:
+    """What an ``item_reference`` names: a stored response's input or output item, or else an
+    item of a conversation."""
+    found = store.item(item_id)
+    return found if found is not None else store.conversations.find_item(item_id)
+
+
+def check_new_items(ids: list[str], present: list[str], param: str) -> None:
+    """Items about to join a conversation must not repeat an id (one of ``present``, those it
+    holds, or one another of them has): a client sending back items the conversation holds
+    would duplicate them. ``param[index]`` names the first repeat."""
+    seen = set(present)
+    for index, item_id in enumerate(ids):
+        if item_id in seen:
+            raise bad_request(f"Duplicate item found with id {item_id}. Remove duplicate items "
+                              "from your input and try again.", f"{param}[{index}]")  # fmt: skip
+        seen.add(item_id)
 
 
 def _response_format(request: CreateResponseRequest) -> ResponseFormat | None:
@@ -336,6 +395,8 @@ async def run(
     finally:
         if not timer.ended:
             timer.end("cancelled", len(prepared.prompt_ids), 0)
+        if prepared.lease is not None:
+            prepared.lease.release()
 
 
 async def _run(
@@ -404,10 +465,29 @@ def _conclude(prepared: Prepared, last_token: int | None) -> None:
 
 
 def store_response(prepared: Prepared, store: ResponseStore) -> None:
-    """The response, its input items and its conversation, if the request asked to store."""
-    if not prepared.response.store:
-        return
+    """The response, its input items and its conversation, if the request asked to store; its
+    input and output items added to its ``conversation``, if it has one and did not fail."""
     response = prepared.response.dump()
     output = output_to_items(response["output"])
+    if prepared.lease is not None and response["status"] in ("completed", "incomplete"):
+        _add_to_conversation(prepared, store, response["output"], output)
+    if not prepared.response.store:
+        return
     conversation = [item_to_json(item) for item in [*prepared.conversation, *output]]
     store.put(response, prepared.input_items, conversation, prepared.parent)
+
+
+def _add_to_conversation(
+    prepared: Prepared, store: ResponseStore, listed_output: list[dict[str, Any]],
+    output: list[Item],
+) -> None:  # fmt: skip
+    """The request's own items and the output, after the conversation's items."""
+    listed = [*prepared.input_items, *listed_output]
+    internal = [*prepared.own_items, *output]
+    if len(listed) != len(internal):  # one listed item per Harmony item, both ways built
+        raise RuntimeError(f"{len(listed)} listed items against {len(internal)} Harmony items")
+    items = [ConversationItem(a, item_to_json(b)) for a, b in zip(listed, internal, strict=True)]
+    conversation_id = prepared.lease.conversation_id
+    if not store.conversations.append(conversation_id, items):
+        logger.info("response %s: conversation %s was deleted while it ran; its items were "
+                    "not kept", prepared.response.id, conversation_id)  # fmt: skip

@@ -14,12 +14,16 @@ its children's conversations whole, so that they go on as they would have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from gptoss_serve.server.conversation_store import ConversationStore
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,15 @@ class ResponseStore:
         self._add_parent_columns()
         self._lock = threading.Lock()
         self._closed = False
+        # The conversations (/v1/conversations) live in the same file, under the same lock.
+        self.conversations = ConversationStore(self.transaction)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """The connection under the store's lock, in one transaction (committed when the
+        block ends, rolled back if it raises): for the tables kept beside the responses'."""
+        with self._lock, self._connection:
+            yield self._connection
 
     def put(
         self,
