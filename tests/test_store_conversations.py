@@ -1,5 +1,6 @@
 """Conversations stored as deltas on their parent's: rebuilt whole, linear on disk, kept whole by
-children when a parent is deleted or pruned, and read from files written before."""
+children when a parent is deleted or pruned, and read from files written before; the turns of
+a conversation (/v1/conversations) as deltas on the turn before."""
 
 from __future__ import annotations
 
@@ -193,3 +194,71 @@ def test_truncation_drops_the_parents_items_and_the_delta_says_how_many(tmp_path
     assert whole[:-own] == before[skip:]
     assert '"0 word' not in json.dumps(whole)  # the first turn was dropped
     assert '"3 word' in json.dumps(whole[-own:])
+
+
+# -- responses made in a conversation (/v1/conversations) --------------------------------------
+
+
+def _in_conversation(store: ResponseStore, context: int, turns: int, words: int, *,
+                     between=None, inspect=None):  # fmt: skip
+    """``turns`` responses in one conversation (``truncation: auto``, an engine of ``context``
+    tokens), then one ``previous_response_id`` follow-up of the last. ``between(client,
+    conversation id, turn)`` runs before each turn; ``inspect(ids)`` before the server closes.
+    The prompts the engine was given."""
+    engine = ScriptedEngine()
+    engine.info = EngineInfo("demo", context, 201088, created_at=1700000000)
+    engine.last_script = harmony_tokens(REASONING_THEN_FINAL)
+    text = " ".join(["word"] * words)
+    with TestClient(create_app(engine, store, ServerConfig())) as client:
+        conversation = client.post("/v1/conversations", json={}).json()["id"]
+        ids = []
+        for turn in range(turns):
+            if between is not None:
+                between(client, conversation, turn)
+            ids.append(_turn(client, f"{turn} {text}", None, conversation=conversation,
+                             truncation="auto"))  # fmt: skip
+        ids.append(_turn(client, "after", ids[-1], truncation="auto"))
+        if inspect is not None:
+            inspect(ids)
+    return engine.prompts
+
+
+def test_conversation_turns_are_deltas_with_the_prompts_of_whole_copies(tmp_path: Path) -> None:
+    last = {}
+    for context in (131072, 700):  # without and with truncation
+        path = tmp_path / f"d{context}.sqlite3"
+
+        def inspect(ids: list[str], path: Path = path) -> None:
+            rows = [_own(path, response_id) for response_id in ids]
+            assert rows[0][0] is None  # the first turn has no stored turn before it
+            for previous, (parent, _, own) in zip(ids, rows[1:], strict=False):
+                assert parent == previous and own == 3  # each turn keeps its own items only
+
+        deltas = _in_conversation(ResponseStore(path), context, 6, 120, inspect=inspect)
+        whole = _in_conversation(_WholeStore(tmp_path / f"w{context}.sqlite3"), context, 6, 120)
+        assert deltas == whole and len(deltas) == 7
+        last[context] = len(deltas[-1])
+    assert last[700] < 700 < last[131072]  # truncation: auto dropped turns in the small one
+
+
+def test_items_added_by_hand_or_an_unstored_turn_store_the_next_turn_whole(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r.sqlite3"
+
+    def between(client: TestClient, conversation: str, turn: int) -> None:
+        if turn == 2:  # by hand, before the third turn
+            body = {"items": [{"role": "user", "content": "by hand"}]}
+            assert client.post(f"/v1/conversations/{conversation}/items", json=body).is_success
+        if turn == 4:  # a turn not stored, before the fifth
+            body = {"model": "demo", "input": "unstored", "conversation": conversation,
+                    "store": False}  # fmt: skip
+            assert client.post("/v1/responses", json=body).is_success
+
+    def inspect(ids: list[str]) -> None:
+        parents = [_own(path, response_id)[0] for response_id in ids[:6]]
+        assert parents == [None, ids[0], None, ids[2], None, ids[4]]
+
+    deltas = _in_conversation(ResponseStore(path), 131072, 6, 20, between=between, inspect=inspect)
+    whole = _in_conversation(_WholeStore(tmp_path / "w.sqlite3"), 131072, 6, 20, between=between)
+    assert deltas == whole

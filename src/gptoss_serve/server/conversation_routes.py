@@ -151,7 +151,7 @@ def _convert(
         stored = store.conversations.history(conversation_id)
         if stored is None:
             raise _conversation_not_found(conversation_id)
-        history = [item_from_json(entry) for entry in stored]
+        history = [item_from_json(entry) for entry in stored.items]
     converter = InputConverter(history, lambda item_id: stored_item(store, item_id))
     for index, raw in enumerate(raw_items):
         converter.add(raw, f"{param}[{index}]")

@@ -6,6 +6,13 @@ API lists it (``GET /v1/conversations/{id}/items``) and as the Harmony item a pr
 (server/conversation.py's JSON form), so that a follow-up needs no conversion. Conversations
 do not expire with the responses (the official API keeps them until deleted); deleting one
 deletes its items.
+
+A conversation also remembers the stored response that last added its turn, and how many of
+the conversation's leading items that response's own (stored) conversation lacks (those its
+prompt dropped, ``truncation: auto``). While no item is added or deleted by hand, the next
+response's history is that response's conversation after those items, so the response store
+can keep the next one as a delta on it (store.py), as for ``previous_response_id``: stored
+whole, every turn of an n-turn conversation would copy all the turns before it.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY,
     created_at INTEGER NOT NULL,
-    metadata TEXT NOT NULL
+    metadata TEXT NOT NULL,
+    last_response_id TEXT,  -- the stored response that added the last turn (NULL: none since)
+    last_offset INTEGER NOT NULL DEFAULT 0  -- the leading items its conversation lacks
 );
 CREATE TABLE IF NOT EXISTS conversation_items (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- the items' order, across conversations
@@ -55,6 +64,15 @@ class ConversationItem:
         return self.listed["id"]
 
 
+@dataclass(frozen=True)
+class ConversationHistory:
+    """A conversation's items (internal JSON, in order), and ``last``: (the stored response
+    whose own conversation is ``items`` without their first ``offset``, offset) or None."""
+
+    items: list[dict[str, Any]]
+    last: tuple[str, int] | None
+
+
 class ConversationStore:
     """Thread-safe through ``transaction`` (the response store's lock and connection: one
     file, one writer)."""
@@ -70,7 +88,7 @@ class ConversationStore:
         created_at = int(time.time())
         with self._transaction() as connection:
             connection.execute(
-                "INSERT INTO conversations VALUES (?, ?, ?)",
+                "INSERT INTO conversations (id, created_at, metadata) VALUES (?, ?, ?)",
                 (conversation_id, created_at, json.dumps(metadata)),
             )
             _insert(connection, conversation_id, items)
@@ -98,16 +116,21 @@ class ConversationStore:
             )
         return cursor.rowcount > 0
 
-    def history(self, conversation_id: str) -> list[dict[str, Any]] | None:
-        """The Harmony items of the conversation in order (internal JSON); None if unknown."""
+    def history(self, conversation_id: str) -> ConversationHistory | None:
+        """The conversation's Harmony items and its last stored turn; None if unknown."""
         with self._transaction() as connection:
-            if not _exists(connection, conversation_id):
+            found = connection.execute(
+                "SELECT last_response_id, last_offset FROM conversations WHERE id = ?",
+                (conversation_id,),
+            ).fetchone()
+            if found is None:
                 return None
             rows = connection.execute(
                 "SELECT internal FROM conversation_items WHERE conversation_id = ? ORDER BY seq",
                 (conversation_id,),
             ).fetchall()
-        return [json.loads(row[0]) for row in rows]
+        last = None if found[0] is None else (found[0], found[1])
+        return ConversationHistory([json.loads(row[0]) for row in rows], last)
 
     def present_ids(self, conversation_id: str, item_ids: list[str]) -> list[str]:
         """Which of ``item_ids`` the conversation holds already."""
@@ -121,12 +144,21 @@ class ConversationStore:
             ).fetchall()  # fmt: skip
         return [row[0] for row in rows]
 
-    def append(self, conversation_id: str, items: list[ConversationItem]) -> bool:
-        """Add ``items`` after the conversation's; False if it is gone (deleted meanwhile)."""
+    def append(
+        self,
+        conversation_id: str,
+        items: list[ConversationItem],
+        turn: tuple[str, int] | None = None,
+    ) -> bool:
+        """Add ``items`` after the conversation's; False if it is gone (deleted meanwhile).
+        ``turn``: (the stored response that made them, how many of the conversation's leading
+        items its conversation lacks); None (items added by hand, or by a response not
+        stored): the next response's history is no stored conversation."""
         with self._transaction() as connection:
             if not _exists(connection, conversation_id):
                 return False
             _insert(connection, conversation_id, items)
+            _set_last(connection, conversation_id, turn)
         return True
 
     def list_items(
@@ -177,6 +209,8 @@ class ConversationStore:
                 "DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
                 (conversation_id, item_id),
             )
+            if cursor.rowcount:
+                _set_last(connection, conversation_id, None)
         return cursor.rowcount > 0
 
 
@@ -192,6 +226,16 @@ def _object(conversation_id: str, created_at: int, metadata: dict[str, str]) -> 
 def _exists(connection: sqlite3.Connection, conversation_id: str) -> bool:
     query = "SELECT 1 FROM conversations WHERE id = ?"
     return connection.execute(query, (conversation_id,)).fetchone() is not None
+
+
+def _set_last(
+    connection: sqlite3.Connection, conversation_id: str, turn: tuple[str, int] | None
+) -> None:
+    response_id, offset = turn if turn is not None else (None, 0)
+    connection.execute(
+        "UPDATE conversations SET last_response_id = ?, last_offset = ? WHERE id = ?",
+        (response_id, offset, conversation_id),
+    )
 
 
 def _seq(connection: sqlite3.Connection, conversation_id: str, item_id: str) -> int | None:

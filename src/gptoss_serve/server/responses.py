@@ -82,6 +82,7 @@ class Prepared:
     # responses off it meanwhile (conversation_locks.py).
     own_items: list[Item] = field(default_factory=list)
     lease: ConversationLease | None = None
+    num_dropped: int = 0  # the history's leading items the fitting dropped
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +100,9 @@ class Draft:
     model_name: str
     context: int
     history_len: int = 0  # the leading items of render.items that the history gave
+    # The stored response whose conversation the history is, after how many leading items
+    # (previous_response_id: all of it; a conversation: its last stored turn's, if any).
+    continues: tuple[str, int] | None = None
 
 
 async def prepare(
@@ -178,7 +182,7 @@ def begin(
     _check_values(request.model_dump(by_alias=True, exclude_unset=True))
     _check_unsupported(request)
     tools = _check_tools(request)
-    history = _history(request, store)
+    history, continues = _history(request, store)
     converter = InputConverter(history, lambda item_id: stored_item(store, item_id))
     if isinstance(request.input, str):
         converter.add_text(request.input)
@@ -199,8 +203,9 @@ def begin(
         response_format=_response_format(request),
     )
     return Draft(
-        request, render, converter.listed, info.model_name, info.max_context_tokens, len(history)
-    )
+        request, render, converter.listed, info.model_name, info.max_context_tokens,
+        len(history), continues,
+    )  # fmt: skip
 
 
 def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRequest]) -> Prepared:
@@ -254,8 +259,11 @@ def finish(draft: Draft, config: ServerConfig, fitted: tuple[list[int], RenderRe
     )  # fmt: skip
     # The fitting drops whole items from the front (truncation: auto): of the history first.
     dropped = len(draft.render.items) - len(render.items)
-    if request.previous_response_id is not None and dropped < draft.history_len:
-        prepared.parent = (request.previous_response_id, dropped, draft.history_len - dropped)
+    prepared.num_dropped = dropped
+    if draft.continues is not None:
+        parent_id, offset = draft.continues
+        if offset <= dropped < draft.history_len:
+            prepared.parent = (parent_id, dropped - offset, draft.history_len - dropped)
     return prepared
 
 
@@ -327,25 +335,29 @@ def _check_tools(request: CreateResponseRequest) -> tuple[FunctionTool, ...]:
     )
 
 
-def _history(request: CreateResponseRequest, store: ResponseStore) -> list[Item]:
+def _history(
+    request: CreateResponseRequest, store: ResponseStore
+) -> tuple[list[Item], tuple[str, int] | None]:
+    """The items before the request's input, and the stored response whose conversation they
+    are (after how many leading items), if there is one (``Draft.continues``)."""
     conversation_id = request.conversation_id
     if conversation_id is not None:
         if request.previous_response_id is not None:
             message = "Mutually exclusive parameters: provide only one of 'previous_response_id' "
             raise bad_request(message + "or 'conversation'.", "conversation")
-        items = store.conversations.history(conversation_id)
-        if items is None:
+        found = store.conversations.history(conversation_id)
+        if found is None:
             raise not_found(f"Conversation with id '{conversation_id}' not found.", "conversation")
-        return [item_from_json(entry) for entry in items]
+        return [item_from_json(entry) for entry in found.items], found.last
     if request.previous_response_id is None:
-        return []
+        return [], None
     stored = store.conversation(request.previous_response_id)
     if stored is None:
         raise APIError(
             404, f"Previous response with id '{request.previous_response_id}' not found.",
             param="previous_response_id", code="previous_response_not_found",
         )  # fmt: skip
-    return [item_from_json(entry) for entry in stored]
+    return [item_from_json(entry) for entry in stored], (request.previous_response_id, 0)
 
 
 def _conversation_ref(request: CreateResponseRequest) -> ConversationRefObject | None:
@@ -488,6 +500,9 @@ def _add_to_conversation(
         raise RuntimeError(f"{len(listed)} listed items against {len(internal)} Harmony items")
     items = [ConversationItem(a, item_to_json(b)) for a, b in zip(listed, internal, strict=True)]
     conversation_id = prepared.lease.conversation_id
-    if not store.conversations.append(conversation_id, items):
+    # Stored, this response's conversation is the conversation's items after the dropped ones:
+    # the next turn's is stored as a delta on it.
+    turn = (prepared.response.id, prepared.num_dropped) if prepared.response.store else None
+    if not store.conversations.append(conversation_id, items, turn):
         logger.info("response %s: conversation %s was deleted while it ran; its items were "
                     "not kept", prepared.response.id, conversation_id)  # fmt: skip
