@@ -23,7 +23,7 @@ from gptoss_serve.harmony.adapter import decode
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.conversation_locks import ConversationLocks
 from gptoss_serve.server.errors import APIError
-from gptoss_serve.server.reasoning_seal import unseal
+from gptoss_serve.server.reasoning_seal import seal, unseal
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import TOOLS, ScriptedEngine, harmony_tokens, running_server
 
@@ -326,3 +326,17 @@ def test_a_lease_dropped_unreleased_frees_its_conversation() -> None:
     del lease  # a response dropped before it ran (a stream whose client left at once)
     locks.acquire("conv_1").release()
     locks.check("conv_1")
+
+
+def test_a_reasoning_item_sent_sealed_is_listed_sealed_only_when_asked(served) -> None:
+    url, client, _ = served
+    sealed = {"type": "reasoning", "summary": [], "encrypted_content": seal("Earlier thought.")}
+    conversation = client.conversations.create(
+        items=[{"role": "user", "content": "Hi"}, sealed, {"role": "assistant", "content": "Yo"}]
+    )
+    items_url = f"{url}/v1/conversations/{conversation.id}/items"
+    plain = httpx.get(items_url, params={"order": "asc"}).json()["data"]
+    assert plain[1]["type"] == "reasoning" and plain[1]["encrypted_content"] is None
+    wanted = {"order": "asc", "include": "reasoning.encrypted_content"}
+    shown = httpx.get(items_url, params=wanted).json()["data"]
+    assert unseal(shown[1]["encrypted_content"]) == "Earlier thought."

@@ -177,10 +177,12 @@ def _includes(values: list[str] | None) -> frozenset[str]:
 def _shown(item: dict[str, Any], includes: frozenset[str]) -> dict[str, Any]:
     """A stored item as listed: output text's log-probabilities only when asked for (and only
     what its response made), a reasoning item's encrypted_content only when asked for."""
-    if item.get("type") == "reasoning" and "content" in item:
-        text = "".join(part["text"] for part in item["content"] or ())
-        wanted = REASONING_ENCRYPTED_CONTENT in includes
-        return {**item, "encrypted_content": seal(text) if wanted else None}
+    if item.get("type") == "reasoning":
+        if REASONING_ENCRYPTED_CONTENT not in includes:
+            return {**item, "encrypted_content": None}
+        if item.get("content"):  # else: as the client sent it (its encrypted_content alone)
+            return {**item, "encrypted_content": seal("".join(p["text"] for p in item["content"]))}
+        return item
     if item.get("type") == "message" and OUTPUT_TEXT_LOGPROBS not in includes:
         content = [
             {**part, "logprobs": []} if part.get("type") == "output_text" else part
