@@ -495,9 +495,7 @@ def _add_to_conversation(
 ) -> None:  # fmt: skip
     """The request's own items and the output, after the conversation's items."""
     listed = [*prepared.input_items, *listed_output]
-    internal = [*prepared.own_items, *output]
-    if len(listed) != len(internal):  # one listed item per Harmony item, both ways built
-        raise RuntimeError(f"{len(listed)} listed items against {len(internal)} Harmony items")
+    internal = [*prepared.own_items, *output]  # one Harmony item per listed item, in order
     items = [ConversationItem(a, item_to_json(b)) for a, b in zip(listed, internal, strict=True)]
     conversation_id = prepared.lease.conversation_id
     # Stored, this response's conversation is the conversation's items after the dropped ones:
