@@ -600,6 +600,12 @@ def _add_bench_serve_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     bench.add_argument("--temperature", type=float, default=1.0)
     bench.add_argument("--reasoning-effort", choices=serve_load.REASONING_EFFORTS, default=None)
+    bench.add_argument("--turns", type=int, default=1,
+                       help="each request a dialogue of this many turns, each --input-len new "
+                       "tokens (default 1)")  # fmt: skip
+    bench.add_argument("--continue-with", choices=serve_load.CONTINUATIONS,
+                       default="previous_response_id",
+                       help="how a dialogue's turns follow each other")  # fmt: skip
     bench.add_argument("--warmup", type=int, default=0,
                        help="requests run first and not counted")  # fmt: skip
     bench.add_argument("--seed", type=int, default=None, help="default: a random one (reported)")
@@ -621,7 +627,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
             shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
             stream=args.stream, temperature=args.temperature,
-            reasoning_effort=args.reasoning_effort, warmup=args.warmup,
+            reasoning_effort=args.reasoning_effort, turns=args.turns,
+            continue_with=args.continue_with, warmup=args.warmup,
             seed=random.randrange(2**31) if args.seed is None else args.seed,
             timeout_s=args.timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
         )  # fmt: skip

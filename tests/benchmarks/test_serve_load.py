@@ -17,6 +17,7 @@ import pytest
 
 from gptoss_serve import cli
 from gptoss_serve.benchmarks.prompts import make_prompts
+from gptoss_serve.benchmarks.report import format_table, summarize
 from gptoss_serve.benchmarks.serve_load import (
     BenchServeConfig,
     RequestResult,
@@ -183,6 +184,41 @@ def test_without_streaming_there_is_no_ttft(scripted: tuple[ScriptedEngine, str]
         assert result.ttft_s is None and result.tpot_s is None and result.latency_s > 0
 
 
+@pytest.mark.parametrize("continue_with", ["previous_response_id", "conversation"])
+def test_dialogues_continue_each_turn(scripted: tuple[ScriptedEngine, str], continue_with) -> None:
+    engine, base_url = scripted
+    engine.last_script = harmony_tokens(REASONING_THEN_FINAL)
+    config = BenchServeConfig(base_url, num_requests=2, concurrency=2, input_len=12,
+                              output_len=64, turns=3, continue_with=continue_with)  # fmt: skip
+    run = asyncio.run(run_benchmark(config))
+    pairs = sorted((result.index, result.turn) for result in run.results)
+    assert pairs == [(index, turn) for index in (0, 1) for turn in (1, 2, 3)]
+    assert all(result.is_ok and result.status == "completed" for result in run.results)
+    for index in (0, 1):  # each turn's prompt carries the turns before it
+        turns = sorted((r for r in run.results if r.index == index), key=lambda r: r.turn)
+        assert turns[0].input_tokens < turns[1].input_tokens < turns[2].input_tokens
+    # A third turn's prompt holds the two replies before it (one a dialogue).
+    prompts = [adapter.decode(prompt) for prompt in engine.prompts]
+    assert sum(prompt.count("Hello there, friend!") == 2 for prompt in prompts) == 2
+    summary = summarize(run, date="today", commit=None)
+    assert summary["num_requests"] == 6 and summary["num_ok"] == 6
+    assert summary["ttft_first_turn_ms"]["count"] == 2
+    assert summary["ttft_later_turns_ms"]["count"] == 4
+    assert summary["later_turns_cached_share"] == 0  # the scripted engine caches nothing
+    table = format_table(summary)
+    assert "dialogue of 3 turns" in table and "turns 2+" in table and "prefix cache" in table
+
+
+def test_a_failed_turn_ends_its_dialogue(scripted: tuple[ScriptedEngine, str]) -> None:
+    engine, base_url = scripted
+    good = harmony_tokens(REASONING_THEN_FINAL)
+    engine.queue(good, [*good[:3], RuntimeError("the GPU fell over")])
+    config = BenchServeConfig(base_url, num_requests=1, concurrency=1, input_len=12,
+                              output_len=64, turns=4)  # fmt: skip
+    run = asyncio.run(run_benchmark(config))
+    assert [(r.turn, r.is_ok) for r in run.results] == [(1, True), (2, False)]
+
+
 def test_usage_errors_are_one_line_and_exit_2(
     scripted: tuple[ScriptedEngine, str], capsys: pytest.CaptureFixture
 ) -> None:
@@ -193,6 +229,7 @@ def test_usage_errors_are_one_line_and_exit_2(
         "concurrency must be >= 1": ["--base-url", base_url, "--concurrency", "0"],
         "input_len must be at least": ["--input-len", "8", "--shared-prefix-len", "5"],
         "output_len must be >= 16": ["--base-url", base_url, "--output-len", "8"],
+        "turns must be >= 1": ["--base-url", base_url, "--turns", "0"],
     }
     for message, argv in cases.items():
         assert cli.main(["bench-serve", *argv]) == 2

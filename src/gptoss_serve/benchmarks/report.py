@@ -47,7 +47,28 @@ def summarize(run: BenchRun, *, date: str, commit: str | None) -> dict[str, Any]
         "ttft_ms": Distribution.of(ttfts).scaled(MS).to_dict(),
         "tpot_ms": Distribution.of(tpots).scaled(MS).to_dict(),
         "latency_ms": Distribution.of([result.latency_s for result in ok]).scaled(MS).to_dict(),
+        "cached_tokens": sum(result.cached_tokens for result in ok),
+        **_by_turn(ok),
         "requests": [_request_row(result) for result in results],
+    }
+
+
+def _by_turn(ok: list[RequestResult]) -> dict[str, Any]:
+    """Dialogues (turns > 1): the first turns' and the later turns' first-token times, and the
+    share of the later turns' prompts that the prefix cache served."""
+    later = [result for result in ok if result.turn > 1]
+    if not later:
+        return {}
+    first = [result.ttft_s for result in ok if result.turn == 1 and result.ttft_s is not None]
+    later_ttfts = [result.ttft_s for result in later if result.ttft_s is not None]
+    num_input = sum(result.input_tokens for result in later)
+    return {
+        "ttft_first_turn_ms": Distribution.of(first).scaled(MS).to_dict(),
+        "ttft_later_turns_ms": Distribution.of(later_ttfts).scaled(MS).to_dict(),
+        "later_turns_cached_share": (
+            sum(r.cached_tokens for r in later) / num_input if num_input else None
+        ),
+        "later_turns_input_tokens_mean": num_input / len(later),
     }
 
 
@@ -57,11 +78,13 @@ def _request_row(result: RequestResult) -> dict[str, Any]:
 
     return {
         "index": result.index,
+        "turn": result.turn,
         "status": result.status,
         "error": result.error,
         "prompt_tokens": result.prompt_tokens,
         "input_tokens": result.input_tokens,
         "output_tokens": result.output_tokens,
+        "cached_tokens": result.cached_tokens,
         "num_deltas": len(result.delta_times_s),
         "started_ms": ms(result.started_s),
         "ttft_ms": ms(result.ttft_s),
@@ -86,6 +109,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{settings['concurrency']}, request rate {'inf' if rate is None else f'{rate:g}/s'}",
         f"  input {settings['input_len']} tokens (shared {settings['shared_prefix_len']}), "
         f"output {settings['output_len']} tokens",
+        *_dialogue_line(settings),
         "",
         f"{'requests ok':<20}{summary['num_ok']:>10}  ({statuses or 'none'})",
         f"{'requests failed':<20}{summary['num_failed']:>10}",
@@ -102,12 +126,25 @@ def format_table(summary: dict[str, Any]) -> str:
         "",
         f"{'':<20}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
     ]
-    for label, key in (("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"),
-                       ("latency (ms)", "latency_ms")):  # fmt: skip
+    rows = [("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("latency (ms)", "latency_ms")]
+    if "ttft_later_turns_ms" in summary:
+        rows[1:1] = [("  turn 1", "ttft_first_turn_ms"), ("  turns 2+", "ttft_later_turns_ms")]
+    for label, key in rows:
         row = summary[key]
         cells = "".join(_cell(row[name]) for name in ("p50", "p90", "p99", "mean"))
         lines.append(f"{label:<20}{cells}")
+    if summary.get("later_turns_cached_share") is not None:
+        lines.append(f"{'prefix cache':<20}{summary['later_turns_cached_share']:>10.1%}  of the "
+                     f"later turns' prompts (mean {summary['later_turns_input_tokens_mean']:.0f}"
+                     " tokens)")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _dialogue_line(settings: dict[str, Any]) -> list[str]:
+    if settings["turns"] == 1:
+        return []
+    return [f"  each request a dialogue of {settings['turns']} turns, continued by "
+            f"{settings['continue_with']}"]  # fmt: skip
 
 
 def _cell(value: float | None) -> str:

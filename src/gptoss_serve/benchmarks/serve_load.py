@@ -12,8 +12,12 @@ streaming, the client reads the server-sent events itself and records:
 - the end-to-end latency: from sending to the terminal event (or to the whole JSON body).
 
 Up to ``concurrency`` requests are in flight; with a finite ``request_rate`` they arrive as a
-Poisson process. Only the client side lives here (httpx, no torch): it measures any server
-that speaks the Responses API.
+Poisson process. With ``turns`` > 1 each request is a dialogue instead: that many turns, one
+after the other, each with ``input_len`` new tokens of user text, continuing the turn before by
+``previous_response_id`` (its turns stored) or in a conversation (``/v1/conversations``);
+``concurrency`` and ``request_rate`` then count dialogues, and the later turns show what the
+server's prefix cache does for a follow-up (``cached_tokens``). Only the client side lives
+here (httpx, no torch): it measures any server that speaks the Responses API.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "respon
 # `incomplete` is what a max_output_tokens cut gives: the benchmark asks for exactly that.
 OK_STATUSES = frozenset({"completed", "incomplete"})
 REASONING_EFFORTS = ("low", "medium", "high")
+CONTINUATIONS = ("previous_response_id", "conversation")  # how a dialogue's turns are linked
 
 
 class BenchError(Exception):
@@ -65,6 +70,8 @@ class BenchServeConfig:
     stream: bool = True
     temperature: float = 1.0
     reasoning_effort: str | None = None  # None: the server's default
+    turns: int = 1  # > 1: each request is a dialogue of this many turns
+    continue_with: str = "previous_response_id"  # or "conversation": how turns are linked
     warmup: int = 0  # requests run (and not counted) before the measured ones
     seed: int = 0  # of the prompts and the arrival times
     timeout_s: float = 600.0  # most seconds without a byte from the server
@@ -74,7 +81,7 @@ class BenchServeConfig:
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base URL must start with http:// or https://: {self.base_url!r}")
-        for name in ("num_requests", "concurrency", "input_len"):
+        for name in ("num_requests", "concurrency", "input_len", "turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.output_len < MIN_OUTPUT_TOKENS:
@@ -93,6 +100,8 @@ class BenchServeConfig:
             raise ValueError(f"request_rate must be > 0 (inf: all at once): {self.request_rate}")
         if not 0 <= self.temperature <= 2:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.continue_with not in CONTINUATIONS:
+            raise ValueError(f"continue_with must be one of {CONTINUATIONS}")
         if self.reasoning_effort not in (None, *REASONING_EFFORTS):
             raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}")
         if not self.timeout_s > 0:
@@ -124,6 +133,9 @@ class RequestResult:
     latency_s: float  # sent -> terminal event (or the whole body, or the failure)
     ttft_s: float | None  # sent -> first output delta; None without streaming or deltas
     delta_times_s: tuple[float, ...] = ()  # sent -> each delta event
+    turn: int = 1  # its place in its dialogue (1: the first, or a single request)
+    cached_tokens: int = 0  # usage: of input_tokens, those the server's prefix cache served
+    response_id: str | None = None  # what the next turn continues
 
     @property
     def is_ok(self) -> bool:
@@ -177,17 +189,18 @@ async def run_benchmark(config: BenchServeConfig) -> BenchRun:
         # Prompts are built before any timing; warm-up prompts are distinct from the measured
         # ones so that they cannot warm a prefix cache for them.
         prompts = make_prompts(
-            config.warmup + config.num_requests,
+            (config.warmup + config.num_requests) * config.turns,
             config.input_len,
             seed=config.seed,
             shared_prefix_len=config.shared_prefix_len,
         )
         rng = random.Random(config.seed)
+        num_warmup = config.warmup * config.turns
         if config.warmup:
-            warmup, _ = await _run_phase(client, config, model, prompts[: config.warmup], rng)
+            warmup, _ = await _run_phase(client, config, model, prompts[:num_warmup], rng)
             num_failed = sum(not result.is_ok for result in warmup)
             logger.info("warm-up: %d requests, %d failed", len(warmup), num_failed)
-        results, duration = await _run_phase(client, config, model, prompts[config.warmup :], rng)
+        results, duration = await _run_phase(client, config, model, prompts[num_warmup:], rng)
     return BenchRun(config, model, duration, tuple(results))
 
 
@@ -223,8 +236,9 @@ def request_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[s
         "max_output_tokens": config.output_len,
         "temperature": config.temperature,
         "stream": config.stream,
-        # Thousands of gibberish responses have no business in the server's store.
-        "store": False,
+        # Thousands of gibberish responses have no business in the server's store, unless a
+        # dialogue's next turn continues them by id.
+        "store": config.turns > 1 and config.continue_with == "previous_response_id",
     }
     if config.reasoning_effort is not None:
         body["reasoning"] = {"effort": config.reasoning_effort}
@@ -253,18 +267,58 @@ async def _run_phase(
     due = arrival_times(len(prompts), config.request_rate, rng)
     phase_start = time.perf_counter()
 
-    async def one(index: int) -> RequestResult:
+    async def one(index: int) -> list[RequestResult]:
         delay = phase_start + due[index] - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         # A request that arrives while all slots are busy waits here; its latency counts from
         # when it is sent, as a client with a connection limit would see it.
         async with semaphore:
-            body = request_body(config, model, prompts[index])
-            return await _send(client, body, index, prompts[index], phase_start)
+            turns = prompts[index * config.turns : (index + 1) * config.turns]
+            return await _dialogue(
+                client, config, model, turns, index=index, phase_start=phase_start
+            )
 
-    results = await asyncio.gather(*(one(index) for index in range(len(prompts))))
-    return list(results), time.perf_counter() - phase_start
+    dialogues = len(prompts) // config.turns
+    results = await asyncio.gather(*(one(index) for index in range(dialogues)))
+    return [turn for turns in results for turn in turns], time.perf_counter() - phase_start
+
+
+async def _dialogue(
+    client: httpx.AsyncClient,
+    config: BenchServeConfig,
+    model: str,
+    prompts: list[Prompt],
+    *,
+    index: int,
+    phase_start: float,
+) -> list[RequestResult]:
+    """One request, or a dialogue's turns one after the other (a failed turn ends it)."""
+    link: dict[str, Any] = {}
+    if len(prompts) > 1 and config.continue_with == "conversation":
+        try:
+            created = await client.post("/v1/conversations", json={})
+        except httpx.HTTPError as error:
+            return [_unsent(index, prompts[0], phase_start, _describe(error))]
+        if created.status_code != 200:
+            error = _http_error(created.status_code, created.content)
+            return [_unsent(index, prompts[0], phase_start, f"conversation: {error}")]
+        link = {"conversation": created.json()["id"]}
+    results = []
+    for turn, prompt in enumerate(prompts, start=1):
+        body = {**request_body(config, model, prompt), **link}
+        result = await _send(client, body, index, prompt, phase_start, turn=turn)
+        results.append(result)
+        if not result.is_ok:
+            break
+        if config.continue_with == "previous_response_id":
+            link = {"previous_response_id": result.response_id}
+    return results
+
+
+def _unsent(index: int, prompt: Prompt, phase_start: float, error: str) -> RequestResult:
+    now = time.perf_counter() - phase_start
+    return RequestResult(index, None, error, prompt.num_tokens, 0, 0, now, 0.0, None)
 
 
 async def _send(
@@ -273,6 +327,8 @@ async def _send(
     index: int,
     prompt: Prompt,
     phase_start: float,
+    *,
+    turn: int = 1,
 ) -> RequestResult:
     start = time.perf_counter()
     outcome = _Outcome()
@@ -292,6 +348,7 @@ async def _send(
     if outcome.error is not None:
         logger.info("request %d failed: %s", index, outcome.error)
     usage = (outcome.response or {}).get("usage") or {}
+    details = usage.get("input_tokens_details") or {}
     deltas = outcome.delta_times_s
     return RequestResult(
         index=index,
@@ -304,6 +361,9 @@ async def _send(
         latency_s=outcome.end_s if outcome.end_s is not None else time.perf_counter() - start,
         ttft_s=deltas[0] if deltas else None,
         delta_times_s=tuple(deltas),
+        turn=turn,
+        cached_tokens=details.get("cached_tokens", 0),
+        response_id=outcome.response.get("id") if outcome.response else None,
     )
 
 
