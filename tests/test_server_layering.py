@@ -25,6 +25,7 @@ def test_openapi_schema_lists_the_routes_and_models() -> None:
     assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
     for path in ("/v1/responses/{response_id}/input_items", "/v1/models", "/health"):
         assert "get" in paths[path]
+    assert set(paths["/v1/chat/completions"]) == {"post"}
     assert set(paths["/v1/conversations/{conversation_id}"]) == {"get", "post", "delete"}
     assert set(paths["/v1/conversations/{conversation_id}/items"]) == {"get", "post"}
     assert set(paths["/v1/conversations/{conversation_id}/items/{item_id}"]) == {"get", "delete"}

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -20,9 +20,11 @@ from gptoss_serve.server import constraints
 from gptoss_serve.server.api_keys import ApiKeyAuth
 from gptoss_serve.server.background import BackgroundRuns
 from gptoss_serve.server.body_limit import BodyLimit
+from gptoss_serve.server.chat_routes import ChatServices, add_chat_routes
 from gptoss_serve.server.conversation_locks import ConversationLocks
 from gptoss_serve.server.conversation_routes import add_conversation_routes
 from gptoss_serve.server.cors import OpenAICors
+from gptoss_serve.server.disconnect import unless_client_leaves
 from gptoss_serve.server.errors import bad_request, install_error_handlers, not_found
 from gptoss_serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gptoss_serve.server.metrics import ServerMetrics
@@ -87,7 +89,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             return JSONResponse(background.snapshot())
         if body.stream:  # StreamingResponse itself stops the stream when the client leaves
             return _event_stream(run(prepared, engine, store, metrics))
-        if not await _unless_client_leaves(_complete(prepared, engine, store, metrics), request):
+        if not await unless_client_leaves(_complete(prepared, engine, store, metrics), request):
             logger.info("response %s: the client left; generation stopped", prepared.response.id)
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         return JSONResponse(prepared.response.dump())
@@ -126,6 +128,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
 
     _add_input_items_route(app, store)
     add_conversation_routes(app, store, locks)
+    add_chat_routes(app, ChatServices(engine, store, config, renderers, locks, metrics))
     _add_service_routes(app, models, metrics, engine)
     return app
 
@@ -221,34 +224,6 @@ async def _complete(
     """A non-streaming response, generated to its end (``prepared.response`` holds it)."""
     async for _ in run(prepared, engine, store, metrics):
         pass
-
-
-async def _client_left(request: Request) -> None:
-    """Returns once the client has closed the connection (its body is read already, so the
-    next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_client_leaves(work: Coroutine[Any, Any, None], request: Request) -> bool:
-    """Run ``work`` to its end (True), or cancel it when the client disconnects first (False):
-    a plain request's generation would otherwise run on to max_output_tokens for nobody, and
-    an SDK that timed out and retried would have two. Cancelling closes the engine's token
-    generator, which aborts the request in the engine."""
-    task = asyncio.ensure_future(work)
-    left = asyncio.ensure_future(_client_left(request))
-    try:
-        await asyncio.wait((task, left), return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this handler is cancelled (shutdown)
-        left.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return False
-    task.result()  # the generation's own error, if any, goes to the error handlers
-    return True
 
 
 def _event_stream(source: AsyncIterator[dict[str, Any]]) -> StreamingResponse:

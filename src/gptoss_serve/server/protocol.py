@@ -219,14 +219,19 @@ def _schema_problem(schema_json: str) -> tuple[str, str] | None:
     return None
 
 
-class FunctionToolParam(_Strict):
-    type: Literal["function"]
+class FunctionSpec(_Strict):
+    """A function as both APIs describe it (Chat Completions nests it under ``function``)."""
+
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
     _check_parameters = field_validator("parameters")(_check_json_schema)
+
+
+class FunctionToolParam(FunctionSpec):
+    type: Literal["function"]
 
 
 class ToolChoiceFunction(_Strict):

@@ -1,0 +1,170 @@
+"""Chat Completions objects from a Responses run: pure functions of the Responses events (the
+``chat.completion.chunk``s of a stream) and of the final response object (the
+``chat.completion``).
+
+The reasoning travels as ``reasoning_content`` (a field the official API does not have, which
+vLLM and the clients built on it read); the answer's text as ``content``; function calls as
+``tool_calls``, indexed 0, 1, ... in the order the model made them.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+FINISH_REASONS = {"completed": "stop", "incomplete": "length"}
+
+
+@dataclass
+class ChatStreamState:
+    model: str
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(16)}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    tool_indices: dict[int, int] = field(default_factory=dict)  # output_index -> tool index
+
+
+def chunks_for(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks a Responses event becomes (most become none)."""
+    handler = _HANDLERS.get(event["type"])
+    return [] if handler is None else handler(state, event)
+
+
+def _started(state: ChatStreamState, _: dict[str, Any]) -> list[dict[str, Any]]:
+    return [_chunk(state, {"role": "assistant", "content": ""})]
+
+
+def _reasoning_delta(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
+    return [_chunk(state, {"reasoning_content": event["delta"]})]
+
+
+def _text_delta(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
+    logprobs = event.get("logprobs")
+    chosen = {"content": [_with_bytes(entry) for entry in logprobs]} if logprobs else None
+    return [_chunk(state, {"content": event["delta"]}, logprobs=chosen)]
+
+
+def _item_added(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
+    item = event["item"]
+    if item["type"] != "function_call":
+        return []
+    index = state.tool_indices[event["output_index"]] = len(state.tool_indices)
+    call = {"index": index, "id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": ""}}  # fmt: skip
+    return [_chunk(state, {"tool_calls": [call]})]
+
+
+def _arguments_delta(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
+    call = {"index": state.tool_indices[event["output_index"]],
+            "function": {"arguments": event["delta"]}}  # fmt: skip
+    return [_chunk(state, {"tool_calls": [call]})]
+
+
+def _ended(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
+    response = event["response"]
+    chunks = [_chunk(state, {}, finish_reason=finish_reason(response))]
+    if state.include_usage:
+        chunks.append({**_head(state), "choices": [], "usage": usage(response)})
+    return chunks
+
+
+def _failed(_: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
+    """An error object in the stream, as the official API sends one mid-stream."""
+    error = event["response"].get("error") or {}
+    return [{"error": {"message": error.get("message", "generation failed"),
+                       "type": "server_error", "param": None,
+                       "code": error.get("code", "server_error")}}]  # fmt: skip
+
+
+_HANDLERS = {
+    "response.created": _started,
+    "response.reasoning_text.delta": _reasoning_delta,
+    "response.output_text.delta": _text_delta,
+    "response.output_item.added": _item_added,
+    "response.function_call_arguments.delta": _arguments_delta,
+    "response.completed": _ended,
+    "response.incomplete": _ended,
+    "response.failed": _failed,
+}
+
+
+def completion(state: ChatStreamState, response: dict[str, Any], logprobs: bool) -> dict[str, Any]:
+    """The ``chat.completion`` of a finished (completed or incomplete) response."""
+    content, reasoning, tool_calls, entries = "", "", [], []
+    for item in response["output"]:
+        if item["type"] == "reasoning":
+            reasoning += "".join(part["text"] for part in item["content"])
+        elif item["type"] == "message":
+            for part in item["content"]:
+                content += part["text"]
+                entries += part.get("logprobs") or []
+        elif item["type"] == "function_call":
+            tool_calls.append({"id": item["call_id"], "type": "function",
+                               "function": {"name": item["name"],
+                                            "arguments": item["arguments"]}})  # fmt: skip
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": None if tool_calls and not content else content,
+        "refusal": None,
+        "annotations": [],
+        "reasoning_content": reasoning or None,
+    }
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    choice = {
+        "index": 0,
+        "message": message,
+        "finish_reason": finish_reason(response),
+        "logprobs": {"content": entries, "refusal": None} if logprobs else None,
+    }
+    return {**_head(state, "chat.completion"), "choices": [choice], "usage": usage(response)}
+
+
+def finish_reason(response: dict[str, Any]) -> str:
+    if response["status"] == "completed" and any(
+        item["type"] == "function_call" for item in response["output"]
+    ):
+        return "tool_calls"
+    return FINISH_REASONS[response["status"]]
+
+
+def usage(response: dict[str, Any]) -> dict[str, Any]:
+    used = response["usage"]
+    return {
+        "prompt_tokens": used["input_tokens"],
+        "completion_tokens": used["output_tokens"],
+        "total_tokens": used["total_tokens"],
+        "prompt_tokens_details": {"cached_tokens": used["input_tokens_details"]["cached_tokens"]},
+        "completion_tokens_details": {
+            "reasoning_tokens": used["output_tokens_details"]["reasoning_tokens"]
+        },
+    }
+
+
+def _head(state: ChatStreamState, kind: str = "chat.completion.chunk") -> dict[str, Any]:
+    return {"id": state.id, "object": kind, "created": state.created, "model": state.model}
+
+
+def _chunk(
+    state: ChatStreamState,
+    delta: dict[str, Any],
+    *,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+    return {**_head(state), "choices": [choice]}
+
+
+def _with_bytes(entry: dict[str, Any]) -> dict[str, Any]:
+    """A streamed log-probability entry as chat's: the Responses events carry no ``bytes``, so
+    they come from the token's text, or are null where that text cut a UTF-8 sequence (U+FFFD
+    stands for the bytes; the non-streamed completion has them exactly)."""
+    top = [{**alt, "bytes": _utf8(alt["token"])} for alt in entry["top_logprobs"]]
+    return {**entry, "bytes": _utf8(entry["token"]), "top_logprobs": top}
+
+
+def _utf8(token: str) -> list[int] | None:
+    return None if "\ufffd" in token else list(token.encode())

@@ -1,0 +1,128 @@
+"""``POST /v1/chat/completions``: the Chat Completions API over the Responses machinery.
+
+A chat request is translated into the Responses request that makes the same prompt
+(chat_protocol.py), prepared and run as one (responses.py: the same checks, Harmony rendering,
+grammar constraints, engine and metrics; never stored), and its events or final object are
+turned into chat chunks or a ``chat.completion`` (chat_events.py). A 4xx names the chat
+request's field, not the Responses one it was checked as.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from gptoss_serve.config import ServerConfig
+from gptoss_serve.engine.client import EngineClient
+from gptoss_serve.server.chat_events import ChatStreamState, chunks_for, completion
+from gptoss_serve.server.chat_protocol import (
+    ChatCompletionRequest,
+    Translation,
+    chat_param,
+    to_responses,
+)
+from gptoss_serve.server.conversation_locks import ConversationLocks
+from gptoss_serve.server.disconnect import unless_client_leaves
+from gptoss_serve.server.errors import APIError, from_validation_error
+from gptoss_serve.server.metrics import ServerMetrics
+from gptoss_serve.server.objects import ErrorResponse
+from gptoss_serve.server.protocol import CreateResponseRequest
+from gptoss_serve.server.render_workers import RenderWorkers
+from gptoss_serve.server.responses import Prepared, prepare, run
+from gptoss_serve.server.store import ResponseStore
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500)}
+_CLIENT_CLOSED_REQUEST = 499
+SEED_RANGE = 1 << 62  # the engines' seeds: an int64 one is taken modulo this
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatServices:
+    """What a chat completion needs of the app (the same objects the Responses routes use)."""
+
+    engine: EngineClient
+    store: ResponseStore
+    config: ServerConfig
+    renderers: RenderWorkers
+    locks: ConversationLocks
+    metrics: ServerMetrics
+
+
+def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        prepared = await _prepare(body, services)
+        state = ChatStreamState(model=prepared.response.model)
+        stream = run(prepared, services.engine, services.store, services.metrics)
+        if body.stream:
+            include = body.stream_options is not None and bool(body.stream_options.include_usage)
+            state.include_usage = include
+            return StreamingResponse(
+                _sse(state, stream),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        if not await unless_client_leaves(_drain(stream), request):
+            logger.info("chat completion %s: the client left; generation stopped", state.id)
+            return Response(status_code=_CLIENT_CLOSED_REQUEST)
+        response = prepared.response.dump()
+        if response["status"] == "failed":
+            error = response.get("error") or {}
+            raise APIError(500, error.get("message", "generation failed"), code="server_error",
+                           error_type="server_error")  # fmt: skip
+        return JSONResponse(completion(state, response, bool(body.logprobs)))
+
+
+async def _prepare(body: ChatCompletionRequest, services: ChatServices) -> Prepared:
+    """The Responses preparation of the translated request; its 4xx name the chat fields."""
+    translation = to_responses(body)
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    try:
+        request = _responses_request(translation)
+        prepared = await prepare(request, services.engine, services.store, services.config,
+                                 services.renderers, locks=services.locks)  # fmt: skip
+    except APIError as error:
+        error.param = chat_param(error.param, translation, name)
+        raise
+    if body.seed is not None:  # Responses requests have no seed; the engines take one
+        prepared.params = dataclasses.replace(prepared.params, seed=body.seed % SEED_RANGE)
+    return prepared
+
+
+def _responses_request(translation: Translation) -> CreateResponseRequest:
+    """Validated as a Responses request (what the chat models let through: the same checks),
+    then given the chat request's output cap, which may be under the Responses API's floor."""
+    try:
+        request = CreateResponseRequest.model_validate(translation.body)
+    except ValidationError as error:
+        located = [{**problem, "loc": ("body", *problem["loc"])} for problem in error.errors()]
+        raise from_validation_error(RequestValidationError(located), translation.body) from None
+    if translation.max_tokens is not None:
+        request = request.model_copy(update={"max_output_tokens": translation.max_tokens})
+    return request
+
+
+async def _drain(stream: AsyncIterator[dict[str, Any]]) -> None:
+    async for _ in stream:
+        pass
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
+async def _sse(state: ChatStreamState, stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """``data: <chunk>`` blocks, then ``data: [DONE]``, as the official stream ends."""
+    async for event in stream:
+        for chunk in chunks_for(state, event):
+            yield f"data: {_JSON.encode(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
