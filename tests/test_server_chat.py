@@ -218,6 +218,15 @@ def test_bad_requests_name_the_chat_field(served, fields: dict[str, Any], param:
     assert error["param"] == param, error
 
 
+def test_an_error_message_quotes_the_chat_field(served) -> None:
+    url, _, _ = served
+    content = '{"model": "demo", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    response = httpx.post(f"{url}/v1/chat/completions", content=content,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    error = _error(response)
+    assert error["param"] == "messages[0].content" and "'messages[0].content'" in error["message"]
+
+
 def test_an_unknown_model_is_a_404_and_a_failed_generation_a_500(served) -> None:
     url, _, engine = served
     body = {"model": "gpt-4o", "messages": HI}

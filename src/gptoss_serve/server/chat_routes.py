@@ -92,7 +92,10 @@ async def _prepare(body: ChatCompletionRequest, services: ChatServices) -> Prepa
         prepared = await prepare(request, services.engine, services.store, services.config,
                                  services.renderers, locks=services.locks)  # fmt: skip
     except APIError as error:
-        error.param = chat_param(error.param, translation, name)
+        param = chat_param(error.param, translation, name)
+        if error.param and param != error.param:  # the message quotes it too, at times
+            error.message = error.message.replace(f"'{error.param}'", f"'{param}'")
+        error.param = param
         raise
     if body.seed is not None:  # Responses requests have no seed; the engines take one
         prepared.params = dataclasses.replace(prepared.params, seed=body.seed % SEED_RANGE)
