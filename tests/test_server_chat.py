@@ -185,7 +185,7 @@ def test_sampling_fields_reach_the_engine(served) -> None:
     ("fields", "param"),
     [
         ({"n": 2}, "n"),
-        ({"stop": "\n"}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"store": True}, "store"),
@@ -216,6 +216,32 @@ def test_bad_requests_name_the_chat_field(served, fields: dict[str, Any], param:
     body = {"model": "demo", "messages": HI, **fields}
     error = _error(httpx.post(f"{url}/v1/chat/completions", json=body))
     assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequences_end_the_answer_before_them(served, stream: bool) -> None:
+    _, client, engine = served
+    full = len(harmony_tokens(REASONING_THEN_FINAL))
+    cases = {",": "Hello there", "e, f": "Hello ther", "friend! 👋x": "Hello there, friend! 👋"}
+    for stop, expected in cases.items():
+        num_aborted = len(engine.aborted)
+        kwargs = {"model": "demo", "messages": HI, "stop": [stop, "never"]}
+        if stream:
+            chunks = list(client.chat.completions.create(
+                **kwargs, stream=True, stream_options={"include_usage": True}
+            ))  # fmt: skip
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            used = chunks[-1].usage.completion_tokens
+        else:
+            answer = _valid(client.chat.completions.create(**kwargs))
+            text, finish = answer.choices[0].message.content, answer.choices[0].finish_reason
+            used = answer.usage.completion_tokens
+        assert (text, finish) == (expected, "stop"), stop
+        stopped = expected != "Hello there, friend! 👋"
+        assert (used < full) == stopped  # the generation ended at the stop
+        assert len(engine.aborted) - num_aborted == stopped  # there, in the engine too
+    assert engine.params[-1].stop_token_ids  # Harmony's own stop tokens still apply
 
 
 def test_an_error_message_quotes_the_chat_field(served) -> None:

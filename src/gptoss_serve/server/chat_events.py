@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gptoss_serve.server.stop_sequences import StopSequences
+
 FINISH_REASONS = {"completed": "stop", "incomplete": "length"}
 
 
@@ -24,6 +26,7 @@ class ChatStreamState:
     id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(16)}")
     created: int = field(default_factory=lambda: int(time.time()))
     tool_indices: dict[int, int] = field(default_factory=dict)  # output_index -> tool index
+    stops: StopSequences | None = None  # the request's stop sequences, if any
 
 
 def chunks_for(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
@@ -41,9 +44,12 @@ def _reasoning_delta(state: ChatStreamState, event: dict[str, Any]) -> list[dict
 
 
 def _text_delta(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
+    text = event["delta"] if state.stops is None else state.stops.feed(event["delta"])
     logprobs = event.get("logprobs")
+    if not text and not logprobs:  # held back (it may begin a stop sequence) or after one
+        return []
     chosen = {"content": [_with_bytes(entry) for entry in logprobs]} if logprobs else None
-    return [_chunk(state, {"content": event["delta"]}, logprobs=chosen)]
+    return [_chunk(state, {"content": text}, logprobs=chosen)]
 
 
 def _item_added(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
@@ -64,7 +70,9 @@ def _arguments_delta(state: ChatStreamState, event: dict[str, Any]) -> list[dict
 
 def _ended(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
     response = event["response"]
-    chunks = [_chunk(state, {}, finish_reason=finish_reason(response))]
+    held = "" if state.stops is None else state.stops.flush()  # it never became a stop
+    chunks = [_chunk(state, {"content": held})] if held else []
+    chunks.append(_chunk(state, {}, finish_reason=finish_reason(response)))
     if state.include_usage:
         chunks.append({**_head(state), "choices": [], "usage": usage(response)})
     return chunks
@@ -104,6 +112,8 @@ def completion(state: ChatStreamState, response: dict[str, Any], logprobs: bool)
             tool_calls.append({"id": item["call_id"], "type": "function",
                                "function": {"name": item["name"],
                                             "arguments": item["arguments"]}})  # fmt: skip
+    if state.stops is not None:
+        content = state.stops.cut(content)
     message: dict[str, Any] = {
         "role": "assistant",
         "content": None if tool_calls and not content else content,

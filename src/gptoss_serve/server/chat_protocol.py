@@ -5,6 +5,7 @@ Strict as protocol.py's: unknown fields are a 400. Fields of the official API th
 nothing here are taken at their no-op values (``n`` 1, penalties 0, an empty ``logit_bias``);
 any other value of them, and features this server does not have (``stop`` sequences, audio,
 images, ``store``d completions), is a 400 naming the field rather than silently ignored.
+``stop`` sequences are not a Responses field: chat_routes.py applies them to the answer.
 """
 
 from __future__ import annotations
@@ -180,6 +181,7 @@ class ChatCompletionRequest(_Strict):
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     stream: bool | None = None
     stream_options: ChatStreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None  # the official limit
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
@@ -191,7 +193,6 @@ class ChatCompletionRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
     store: bool | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     # Extension, as on /v1/responses: most tokens of reasoning before the answer.
@@ -205,13 +206,11 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
-    "stop": (None, [], ""),
     "store": (None, False),
     "modalities": (None, ["text"]),
 }
 _WHY = {
     "n": "only one choice (n: 1) is generated",
-    "stop": "stop sequences are not supported (gpt-oss stops at the end of its answer)",
     "store": "chat completions are not stored (use /v1/responses with store: true)",
     "modalities": "only text is generated",
 }

@@ -37,6 +37,7 @@ from gptoss_serve.server.objects import ErrorResponse
 from gptoss_serve.server.protocol import CreateResponseRequest
 from gptoss_serve.server.render_workers import RenderWorkers
 from gptoss_serve.server.responses import Prepared, prepare, run
+from gptoss_serve.server.stop_sequences import StopSequences
 from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         prepared = await _prepare(body, services)
         state = ChatStreamState(model=prepared.response.model)
+        if body.stop:  # the generation ends once the answer's text holds one
+            stops = StopSequences((body.stop,) if isinstance(body.stop, str) else tuple(body.stop))
+            state.stops = stops
+            prepared.stop_when = lambda: stops.stopped
         stream = run(prepared, services.engine, services.store, services.metrics)
         if body.stream:
             include = body.stream_options is not None and bool(body.stream_options.include_usage)
@@ -72,7 +77,7 @@ def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        if not await unless_client_leaves(_drain(stream), request):
+        if not await unless_client_leaves(_drain(state, stream), request):
             logger.info("chat completion %s: the client left; generation stopped", state.id)
             return Response(status_code=_CLIENT_CLOSED_REQUEST)
         response = prepared.response.dump()
@@ -115,9 +120,11 @@ def _responses_request(translation: Translation) -> CreateResponseRequest:
     return request
 
 
-async def _drain(stream: AsyncIterator[dict[str, Any]]) -> None:
-    async for _ in stream:
-        pass
+async def _drain(state: ChatStreamState, stream: AsyncIterator[dict[str, Any]]) -> None:
+    """A non-streamed run to its end, its events through the chunks' state all the same (the
+    stop sequences are matched there)."""
+    async for event in stream:
+        chunks_for(state, event)
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"))

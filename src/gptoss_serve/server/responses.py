@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,9 @@ class Prepared:
     own_items: list[Item] = field(default_factory=list)
     lease: ConversationLease | None = None
     num_dropped: int = 0  # the history's leading items the fitting dropped
+    # Asked after each token's events are consumed: True ends the generation there, as
+    # completed (the chat API's stop sequences, which its layer matches in the text).
+    stop_when: Callable[[], bool] | None = None
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -420,27 +424,32 @@ async def _run(
     parser = HarmonyStreamParser()
     num_output = num_reasoning = 0
     last_token = None
+    stopped = False
+    generation = engine.generate(prepared.response.id, prepared.prompt_ids, prepared.params)
     try:
-        async for token in engine.generate(
-            prepared.response.id, prepared.prompt_ids, prepared.params
-        ):
-            num_output += 1
-            timer.token()
-            last_token = token
-            # A token is reasoning if it belongs to an analysis message: its header, its text
-            # or the <|end|> that closes it (after which the channel reads None again).
-            was_analysis = parser.current_channel == "analysis"
-            parsed = parser.feed(token)
-            if was_analysis or parser.current_channel == "analysis":
-                num_reasoning += 1
-            if (isinstance(token, SampledToken) and parser.fed_content
-                    and events.takes_logprobs(state)):  # fmt: skip
-                events.add_logprobs(state, logprob_entry(token))
-            for item in parsed:
-                for event in events.on_parse_event(state, item):
-                    yield event
+        # aclosing: a stop (stop_when) ends the engine's generator, so its request, at once
+        async with contextlib.aclosing(generation) as tokens:
+            async for token in tokens:
+                num_output += 1
+                timer.token()
+                last_token = token
+                # A token is reasoning if it belongs to an analysis message: its header, its
+                # text or the <|end|> that closes it (after which the channel reads None).
+                was_analysis = parser.current_channel == "analysis"
+                parsed = parser.feed(token)
+                if was_analysis or parser.current_channel == "analysis":
+                    num_reasoning += 1
+                if (isinstance(token, SampledToken) and parser.fed_content
+                        and events.takes_logprobs(state)):  # fmt: skip
+                    events.add_logprobs(state, logprob_entry(token))
+                for item in parsed:
+                    for event in events.on_parse_event(state, item):
+                        yield event
+                if prepared.stop_when is not None and prepared.stop_when():
+                    stopped = True
+                    break
         # A message still open here was cut off: events.finish closes it as incomplete.
-        _conclude(prepared, last_token)
+        _conclude(prepared, last_token, stopped)
     except EngineError as error:
         logger.error("response %s failed (%s): %s", prepared.response.id,
                      current_request_id.get(), error)  # fmt: skip
@@ -467,8 +476,8 @@ async def _run(
         yield event
 
 
-def _conclude(prepared: Prepared, last_token: int | None) -> None:
-    if last_token is not None and last_token in prepared.params.stop_token_ids:
+def _conclude(prepared: Prepared, last_token: int | None, stopped: bool = False) -> None:
+    if stopped or (last_token is not None and last_token in prepared.params.stop_token_ids):
         prepared.response.status = "completed"
         prepared.response.completed_at = int(time.time())
     else:  # ran out of tokens (max_output_tokens or the context)
