@@ -393,6 +393,10 @@ class ServerConfig:
         """The default analysis budget (tokens) of a reasoning effort."""
         return getattr(self, f"reasoning_budget_{effort}")
 
+    def served_model_ids(self, model_name: str) -> tuple[str, ...]:
+        """Every id the model is served under: the engine's ``model_name``, then the aliases."""
+        return (model_name, *self.model_aliases)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

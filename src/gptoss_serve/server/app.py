@@ -74,7 +74,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
     _add_middleware(app, config)
     install_error_handlers(app)
-    served = (engine.info.model_name, *config.model_aliases)
+    served = config.served_model_ids(engine.info.model_name)
     models = [ModelObject(id=name, created=engine.info.created_at) for name in served]
 
     @app.post("/v1/responses", response_model=ResponseObject,

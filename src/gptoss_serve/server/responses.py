@@ -176,7 +176,7 @@ def begin(
 ) -> Draft:
     """The checks and the conversation (no tokenization). Raises APIError."""
     info = engine.info
-    served = (info.model_name, *config.model_aliases)
+    served = config.served_model_ids(info.model_name)
     if request.model not in served:
         names = ", ".join(f"'{name}'" for name in served)
         raise APIError(
