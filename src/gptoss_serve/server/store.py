@@ -97,16 +97,12 @@ class ResponseStore:
         while this one ran, leaves it whole)."""
         items = [(item["id"], response["id"], json.dumps(item)) for item in input_items]
         items += [(item["id"], response["id"], json.dumps(item)) for item in response["output"]]
-        with self._lock, self._connection:
+        with self.transaction() as connection:
             parent_id, skip, own = parent if parent is not None else (None, 0, 0)
-            if (
-                parent_id is not None
-                and not self._connection.execute(
-                    "SELECT 1 FROM responses WHERE id = ?", (parent_id,)
-                ).fetchone()
-            ):
+            query = "SELECT 1 FROM responses WHERE id = ?"
+            if parent_id is not None and not connection.execute(query, (parent_id,)).fetchone():
                 parent_id, skip, own = None, 0, 0
-            self._connection.execute(
+            connection.execute(
                 "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (response["id"], response["created_at"], json.dumps(response),
                  json.dumps(input_items), json.dumps(conversation[own:]), parent_id, skip),
@@ -114,7 +110,7 @@ class ResponseStore:
             # An item id belongs to the response that first stored it: a later response that
             # references it (item_reference) must not take it over, or deleting that one
             # would delete the item from under the earlier response.
-            self._connection.executemany("INSERT OR IGNORE INTO items VALUES (?, ?, ?)", items)
+            connection.executemany("INSERT OR IGNORE INTO items VALUES (?, ?, ?)", items)
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         row = self._one("SELECT response FROM responses WHERE id = ?", response_id)
@@ -136,9 +132,9 @@ class ResponseStore:
         return None if row is None else json.loads(row)
 
     def delete(self, response_id: str) -> bool:
-        with self._lock, self._connection:
+        with self.transaction() as connection:
             self._detach_children([response_id])
-            cursor = self._connection.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            cursor = connection.execute("DELETE FROM responses WHERE id = ?", (response_id,))
         return cursor.rowcount > 0
 
     def prune(self, before: int) -> int:
