@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query
 
-from gptoss_serve.server.conversation import InputConverter, item_from_json, item_to_json
+from gptoss_serve.server.conversation import item_from_json
 from gptoss_serve.server.conversation_locks import ConversationLocks
 from gptoss_serve.server.conversation_store import ConversationItem
-from gptoss_serve.server.errors import APIError, bad_request, not_found
+from gptoss_serve.server.errors import APIError, not_found
 from gptoss_serve.server.objects import (
     ConversationItemList,
     ConversationObject,
@@ -33,9 +33,10 @@ from gptoss_serve.server.reasoning_seal import seal
 from gptoss_serve.server.responses import (
     OUTPUT_TEXT_LOGPROBS,
     REASONING_ENCRYPTED_CONTENT,
-    SUPPORTED_INCLUDES,
+    check_includes,
     check_new_items,
-    stored_item,
+    conversation_items,
+    input_converter,
 )
 from gptoss_serve.server.store import ResponseStore
 
@@ -81,7 +82,7 @@ def add_conversation_routes(app: FastAPI, store: ResponseStore, locks: Conversat
     async def add_items(
         conversation_id: str, body: AddConversationItemsRequest, include: Include = None
     ) -> ConversationItemList:
-        includes = _includes(include)
+        includes = check_includes(include)
         lease = locks.acquire(conversation_id)  # no response may start on it meanwhile
         try:
             items = await asyncio.to_thread(_convert, store, conversation_id, body.items, "items")
@@ -103,7 +104,7 @@ def add_conversation_routes(app: FastAPI, store: ResponseStore, locks: Conversat
         order: Literal["asc", "desc"] = "desc",
         include: Include = None,
     ) -> ConversationItemList:
-        includes = _includes(include)
+        includes = check_includes(include)
         try:
             found = conversations.list_items(conversation_id, after, limit, order)
         except KeyError:
@@ -123,7 +124,7 @@ def add_conversation_routes(app: FastAPI, store: ResponseStore, locks: Conversat
     async def get_item(
         conversation_id: str, item_id: str, include: Include = None
     ) -> dict[str, Any]:
-        includes = _includes(include)
+        includes = check_includes(include)
         _conversation_or_404(store, conversation_id)
         item = conversations.item(conversation_id, item_id)
         if item is None:
@@ -152,26 +153,11 @@ def _convert(
         if stored is None:
             raise _conversation_not_found(conversation_id)
         history = [item_from_json(entry) for entry in stored.items]
-    converter = InputConverter(history, lambda item_id: stored_item(store, item_id))
+    converter = input_converter(store, history)
     for index, raw in enumerate(raw_items):
         converter.add(raw, f"{param}[{index}]")
-    ids = [listed["id"] for listed in converter.listed]
-    present = (
-        [] if conversation_id is None else store.conversations.present_ids(conversation_id, ids)
-    )
-    check_new_items(ids, present, param)
-    return [
-        ConversationItem(listed, item_to_json(item))
-        for listed, item in zip(converter.listed, converter.items, strict=True)
-    ]
-
-
-def _includes(values: list[str] | None) -> frozenset[str]:
-    for index, value in enumerate(values or ()):
-        if value not in SUPPORTED_INCLUDES:
-            raise bad_request(f"include value '{value}' is not supported by this server.",
-                              f"include[{index}]", "unsupported_parameter")  # fmt: skip
-    return frozenset(values or ())
+    check_new_items(store, conversation_id, converter.listed, param)
+    return conversation_items(converter.listed, converter.items)
 
 
 def _shown(item: dict[str, Any], includes: frozenset[str]) -> dict[str, Any]:

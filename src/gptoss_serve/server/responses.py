@@ -187,15 +187,14 @@ def begin(
     _check_unsupported(request)
     tools = _check_tools(request)
     history, continues = _history(request, store)
-    converter = InputConverter(history, lambda item_id: stored_item(store, item_id))
+    converter = input_converter(store, history)
     if isinstance(request.input, str):
         converter.add_text(request.input)
     else:
         for index, raw in enumerate(request.input):
             converter.add(raw, f"input[{index}]")
     if request.conversation_id is not None:
-        ids = [item["id"] for item in converter.listed]
-        check_new_items(ids, store.conversations.present_ids(request.conversation_id, ids), "input")
+        check_new_items(store, request.conversation_id, converter.listed, "input")
     conversation = history + converter.items
     if not conversation:
         raise bad_request("The input must contain at least one item.", "input")
@@ -284,10 +283,17 @@ def _check_unsupported(request: CreateResponseRequest) -> None:
     if request.background and not request.store:
         raise bad_request("Background responses must be stored: background requires store=true.",
                           "background")  # fmt: skip
-    for index, value in enumerate(request.include or ()):
+    check_includes(request.include)
+
+
+def check_includes(values: list[str] | None) -> frozenset[str]:
+    """The ``include`` values (of a response, or of a conversation items call), each one this
+    server supports; else a 400 naming it."""
+    for index, value in enumerate(values or ()):
         if value not in SUPPORTED_INCLUDES:
             raise bad_request(f"include value '{value}' is not supported by this server.",
                               f"include[{index}]", "unsupported_parameter")  # fmt: skip
+    return frozenset(values or ())
 
 
 # JSON's \ud800-\udfff escapes decode to lone UTF-16 surrogates, which are not Unicode text:
@@ -369,18 +375,27 @@ def _conversation_ref(request: CreateResponseRequest) -> ConversationRefObject |
     return None if conversation_id is None else ConversationRefObject(id=conversation_id)
 
 
-def stored_item(store: ResponseStore, item_id: str) -> dict[str, Any] | None:
-    """What an ``item_reference`` names: a stored response's input or output item, or else an
-    item of a conversation."""
-    found = store.item(item_id)
-    return found if found is not None else store.conversations.find_item(item_id)
+def input_converter(store: ResponseStore, history: list[Item]) -> InputConverter:
+    """A converter of input items after ``history``, whose ``item_reference``s name a stored
+    response's input or output item, or else an item of a conversation."""
+
+    def stored_item(item_id: str) -> dict[str, Any] | None:
+        found = store.item(item_id)
+        return found if found is not None else store.conversations.find_item(item_id)
+
+    return InputConverter(history, stored_item)
 
 
-def check_new_items(ids: list[str], present: list[str], param: str) -> None:
-    """Items about to join a conversation must not repeat an id (one of ``present``, those it
-    holds, or one another of them has): a client sending back items the conversation holds
-    would duplicate them. ``param[index]`` names the first repeat."""
-    seen = set(present)
+def check_new_items(
+    store: ResponseStore, conversation_id: str | None, listed: list[dict[str, Any]], param: str
+) -> None:
+    """Items about to join a conversation (None: a new one) must not repeat an id, one it holds
+    or one another of them has: a client sending back items the conversation holds would
+    duplicate them. ``param[index]`` names the first repeat."""
+    ids = [item["id"] for item in listed]
+    seen = set()
+    if conversation_id is not None:
+        seen.update(store.conversations.present_ids(conversation_id, ids))
     for index, item_id in enumerate(ids):
         if item_id in seen:
             raise bad_request(f"Duplicate item found with id {item_id}. Remove duplicate items "
@@ -485,6 +500,12 @@ def _conclude(prepared: Prepared, last_token: int | None, stopped: bool = False)
         prepared.response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
 
 
+def conversation_items(listed: list[dict[str, Any]], items: list[Item]) -> list[ConversationItem]:
+    """Items as a conversation keeps them: each as listed and as its Harmony item (one Harmony
+    item per listed one, in order, as ``InputConverter`` and ``output_to_items`` make them)."""
+    return [ConversationItem(a, item_to_json(b)) for a, b in zip(listed, items, strict=True)]
+
+
 def store_response(prepared: Prepared, store: ResponseStore) -> None:
     """The response, its input items and its conversation, if the request asked to store; its
     input and output items added to its ``conversation``, if it has one and did not fail."""
@@ -503,9 +524,9 @@ def _add_to_conversation(
     output: list[Item],
 ) -> None:  # fmt: skip
     """The request's own items and the output, after the conversation's items."""
-    listed = [*prepared.input_items, *listed_output]
-    internal = [*prepared.own_items, *output]  # one Harmony item per listed item, in order
-    items = [ConversationItem(a, item_to_json(b)) for a, b in zip(listed, internal, strict=True)]
+    items = conversation_items(
+        [*prepared.input_items, *listed_output], [*prepared.own_items, *output]
+    )
     conversation_id = prepared.lease.conversation_id
     # Stored, this response's conversation is the conversation's items after the dropped ones:
     # the next turn's is stored as a delta on it.
