@@ -155,13 +155,7 @@ def _add_input_items_route(app: FastAPI, store: ResponseStore) -> None:
             if after not in ids:
                 raise not_found(f"Item with id '{after}' not found.", "after")
             items = items[ids.index(after) + 1 :]
-        page = items[:limit]
-        return InputItemList(
-            data=page,
-            first_id=page[0]["id"] if page else None,
-            last_id=page[-1]["id"] if page else None,
-            has_more=len(items) > limit,
-        )
+        return InputItemList.page(items[:limit], has_more=len(items) > limit)
 
 
 def _add_middleware(app: FastAPI, config: ServerConfig) -> None:

@@ -90,10 +90,7 @@ def add_conversation_routes(app: FastAPI, store: ResponseStore, locks: Conversat
                 raise _conversation_not_found(conversation_id)
         finally:
             lease.release()
-        data = [_shown(item.listed, includes) for item in items]
-        return ConversationItemList(
-            data=data, first_id=data[0]["id"], last_id=data[-1]["id"], has_more=False
-        )
+        return ConversationItemList.page([_shown(i.listed, includes) for i in items], False)
 
     @app.get("/v1/conversations/{conversation_id}/items", response_model=ConversationItemList,
              responses=_ERRORS)  # fmt: skip
@@ -112,13 +109,7 @@ def add_conversation_routes(app: FastAPI, store: ResponseStore, locks: Conversat
         if found is None:
             raise _conversation_not_found(conversation_id)
         page, has_more = found
-        data = [_shown(item, includes) for item in page]
-        return ConversationItemList(
-            data=data,
-            first_id=data[0]["id"] if data else None,
-            last_id=data[-1]["id"] if data else None,
-            has_more=has_more,
-        )
+        return ConversationItemList.page([_shown(item, includes) for item in page], has_more)
 
     @app.get("/v1/conversations/{conversation_id}/items/{item_id}", responses=_ERRORS)
     async def get_item(

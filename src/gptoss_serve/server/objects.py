@@ -7,7 +7,7 @@ and the tests validate every one against the ``openai`` SDK's own types.
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, Field
 
@@ -159,6 +159,12 @@ class InputItemList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+    @classmethod
+    def page(cls, data: list[dict[str, Any]], has_more: bool) -> Self:
+        """A page of items, with the ids of its first and last (None for an empty page)."""
+        first_id, last_id = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        return cls(data=data, first_id=first_id, last_id=last_id, has_more=has_more)
 
 
 class ConversationObject(BaseModel):
