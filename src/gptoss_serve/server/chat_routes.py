@@ -10,14 +10,13 @@ request's field, not the Responses one it was checked as.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from gptoss_serve.config import ServerConfig
@@ -30,20 +29,20 @@ from gptoss_serve.server.chat_protocol import (
     to_responses,
 )
 from gptoss_serve.server.conversation_locks import ConversationLocks
-from gptoss_serve.server.disconnect import unless_client_leaves
+from gptoss_serve.server.disconnect import CLIENT_CLOSED_REQUEST, unless_client_leaves
 from gptoss_serve.server.errors import APIError, from_validation_error
 from gptoss_serve.server.metrics import ServerMetrics
 from gptoss_serve.server.objects import ErrorResponse
 from gptoss_serve.server.protocol import CreateResponseRequest
 from gptoss_serve.server.render_workers import RenderWorkers
 from gptoss_serve.server.responses import Prepared, prepare, run
+from gptoss_serve.server.sse import JSON, sse_response
 from gptoss_serve.server.stop_sequences import StopSequences
 from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 500)}
-_CLIENT_CLOSED_REQUEST = 499
 SEED_RANGE = 1 << 62  # the engines' seeds: an int64 one is taken modulo this
 
 
@@ -72,14 +71,10 @@ def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
         if body.stream:
             include = body.stream_options is not None and bool(body.stream_options.include_usage)
             state.include_usage = include
-            return StreamingResponse(
-                _sse(state, stream),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return sse_response(_sse(state, stream))
         if not await unless_client_leaves(_drain(state, stream), request):
             logger.info("chat completion %s: the client left; generation stopped", state.id)
-            return Response(status_code=_CLIENT_CLOSED_REQUEST)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         response = prepared.response.dump()
         if response["status"] == "failed":
             error = response.get("error") or {}
@@ -127,12 +122,9 @@ async def _drain(state: ChatStreamState, stream: AsyncIterator[dict[str, Any]]) 
         chunks_for(state, event)
 
 
-_JSON = json.JSONEncoder(separators=(",", ":"))
-
-
 async def _sse(state: ChatStreamState, stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     """``data: <chunk>`` blocks, then ``data: [DONE]``, as the official stream ends."""
     async for event in stream:
         for chunk in chunks_for(state, event):
-            yield f"data: {_JSON.encode(chunk)}\n\n"
+            yield f"data: {JSON.encode(chunk)}\n\n"
     yield "data: [DONE]\n\n"

@@ -12,6 +12,8 @@ from fastapi import Request
 
 logger = logging.getLogger(__name__)
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: what a left request ends with, never read
+
 
 async def _client_left(request: Request) -> None:
     """Returns once the client has closed the connection (its body is read already, so the
