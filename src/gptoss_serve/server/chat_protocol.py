@@ -21,20 +21,20 @@ from gptoss_serve.server.protocol import (
     MAX_OUTPUT_TOKENS,
     MAX_TOOLS,
     FunctionSpec,
-    _check_json_schema,
-    _check_metadata,
-    _Strict,
+    StrictModel,
+    check_json_schema,
+    check_metadata,
 )
 
 # -- messages ---------------------------------------------------------------------------------
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class RefusalPart(_Strict):
+class RefusalPart(StrictModel):
     type: Literal["refusal"]
     refusal: str
 
@@ -50,30 +50,30 @@ def text_of(content: Text | list[TextPart | RefusalPart] | None) -> str:
     return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in content)
 
 
-class SystemMessage(_Strict):
+class SystemMessage(StrictModel):
     role: Literal["system", "developer"]
     content: Text
     name: str | None = None
 
 
-class UserMessage(_Strict):
+class UserMessage(StrictModel):
     role: Literal["user"]
     content: Text
     name: str | None = None
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(StrictModel):
     name: str = Field(min_length=1)
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str = Field(min_length=1)
     type: Literal["function"]
     function: ToolCallFunction
 
 
-class AssistantMessage(_Strict):
+class AssistantMessage(StrictModel):
     role: Literal["assistant"]
     content: Text | list[TextPart | RefusalPart] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -85,7 +85,7 @@ class AssistantMessage(_Strict):
     reasoning: str | None = None
 
 
-class ToolMessage(_Strict):
+class ToolMessage(StrictModel):
     role: Literal["tool"]
     content: Text
     tool_call_id: str = Field(min_length=1)
@@ -98,26 +98,26 @@ ChatMessage = Annotated[
 # -- tools and formats ------------------------------------------------------------------------
 
 
-class ChatTool(_Strict):
+class ChatTool(StrictModel):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class ToolChoiceNamed(_Strict):
+class ToolChoiceNamed(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class AllowedTools(_Strict):
+class AllowedTools(StrictModel):
     mode: Literal["auto", "required"]
     tools: list[ToolChoiceNamed] = Field(min_length=1)
 
 
-class ToolChoiceAllowedTools(_Strict):
+class ToolChoiceAllowedTools(StrictModel):
     type: Literal["allowed_tools"]
     allowed_tools: AllowedTools
 
@@ -128,24 +128,24 @@ ChatToolChoice = (
 )
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
-    _check_schema = field_validator("schema_")(_check_json_schema)
+    _check_schema = field_validator("schema_")(check_json_schema)
 
 
-class ResponseFormatText(_Strict):
+class ResponseFormatText(StrictModel):
     type: Literal["text"]
 
 
-class ResponseFormatJsonObject(_Strict):
+class ResponseFormatJsonObject(StrictModel):
     type: Literal["json_object"]
 
 
-class ResponseFormatJsonSchema(_Strict):
+class ResponseFormatJsonSchema(StrictModel):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
@@ -156,7 +156,7 @@ ResponseFormat = Annotated[
 ]
 
 
-class ChatStreamOptions(_Strict):
+class ChatStreamOptions(StrictModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # no obfuscation padding here: accepted, no-op
 
@@ -164,7 +164,7 @@ class ChatStreamOptions(_Strict):
 # -- the request ------------------------------------------------------------------------------
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(StrictModel):
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -198,7 +198,7 @@ class ChatCompletionRequest(_Strict):
     # Extension, as on /v1/responses: most tokens of reasoning before the answer.
     reasoning_budget: int | None = Field(default=None, ge=0, le=(1 << 31) - 1)
 
-    _check_metadata = field_validator("metadata")(_check_metadata)
+    _check_metadata = field_validator("metadata")(check_metadata)
 
 
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {

@@ -102,7 +102,7 @@ _CODES = {
     "missing": "missing_required_parameter",
     "extra_forbidden": "unknown_parameter",
     "json_invalid": "invalid_json",
-    "invalid_json_schema": "invalid_json_schema",  # protocol._check_json_schema
+    "invalid_json_schema": "invalid_json_schema",  # protocol.check_json_schema
 }
 _MESSAGES = {
     "missing": "Missing required parameter: '{param}'.",

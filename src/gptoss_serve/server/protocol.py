@@ -26,7 +26,7 @@ from pydantic_core import PydanticCustomError
 from gptoss_serve.bounded_cache import bounded_cache
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # strict: "10" is not an integer and "yes" is not a boolean (JSON types are exact).
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -34,19 +34,19 @@ class _Strict(BaseModel):
 # -- content parts ----------------------------------------------------------------------------
 
 
-class InputText(_Strict):
+class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Strict):
+class OutputText(StrictModel):
     type: Literal["output_text"]
     text: str
     annotations: list[Any] = Field(default_factory=list)
     logprobs: list[Any] | None = None
 
 
-class Refusal(_Strict):
+class Refusal(StrictModel):
     type: Literal["refusal"]
     refusal: str
 
@@ -57,7 +57,7 @@ ContentPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="t
 # -- input items ------------------------------------------------------------------------------
 
 
-class InputMessage(_Strict):
+class InputMessage(StrictModel):
     type: Literal["message"] = "message"
     id: str | None = None
     role: Literal["user", "assistant", "system", "developer"]
@@ -71,11 +71,11 @@ class InputMessage(_Strict):
         return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
 
 
-class CallerDirect(_Strict):
+class CallerDirect(StrictModel):
     type: Literal["direct"]
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     id: str | None = None
     call_id: str = Field(min_length=1)
@@ -97,7 +97,7 @@ class FunctionCallItem(_Strict):
         return value
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     id: str | None = None
     call_id: str = Field(min_length=1)
@@ -113,17 +113,17 @@ class FunctionCallOutputItem(_Strict):
         return "".join(part.text for part in self.output)
 
 
-class ReasoningText(_Strict):
+class ReasoningText(StrictModel):
     type: Literal["reasoning_text"]
     text: str
 
 
-class SummaryText(_Strict):
+class SummaryText(StrictModel):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(StrictModel):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = Field(default_factory=list)
@@ -135,7 +135,7 @@ class ReasoningItem(_Strict):
         return "".join(part.text for part in self.content or ())
 
 
-class ItemReference(_Strict):
+class ItemReference(StrictModel):
     type: Literal["item_reference"]
     id: str = Field(min_length=1)
 
@@ -160,7 +160,7 @@ InputItem = Annotated[
 # -- tools, tool choice, text format ----------------------------------------------------------
 
 
-def _check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+def check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     """A schema must be valid JSON Schema (its dialect's metaschema; 2020-12 where it names
     none), as the official API checks even where it does not enforce the schema."""
     if schema is None:
@@ -219,7 +219,7 @@ def _schema_problem(schema_json: str) -> tuple[str, str] | None:
     return None
 
 
-class FunctionSpec(_Strict):
+class FunctionSpec(StrictModel):
     """A function as both APIs describe it (Chat Completions nests it under ``function``)."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
@@ -227,24 +227,24 @@ class FunctionSpec(_Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    _check_parameters = field_validator("parameters")(_check_json_schema)
+    _check_parameters = field_validator("parameters")(check_json_schema)
 
 
 class FunctionToolParam(FunctionSpec):
     type: Literal["function"]
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class AllowedToolRef(_Strict):
+class AllowedToolRef(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class ToolChoiceAllowed(_Strict):
+class ToolChoiceAllowed(StrictModel):
     type: Literal["allowed_tools"]
     mode: Literal["auto", "required"]
     tools: list[AllowedToolRef] = Field(min_length=1)
@@ -256,11 +256,11 @@ ToolChoice = (
 )
 
 
-class TextFormatText(_Strict):
+class TextFormatText(StrictModel):
     type: Literal["text"]
 
 
-class TextFormatJsonSchema(_Strict):
+class TextFormatJsonSchema(StrictModel):
     type: Literal["json_schema"]
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     schema_: dict[str, Any] = Field(alias="schema")
@@ -268,21 +268,21 @@ class TextFormatJsonSchema(_Strict):
     strict: bool | None = None
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-    _check_schema = field_validator("schema_")(_check_json_schema)
+    _check_schema = field_validator("schema_")(check_json_schema)
 
 
-class TextFormatJsonObject(_Strict):
+class TextFormatJsonObject(StrictModel):
     type: Literal["json_object"]
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: Annotated[
         TextFormatText | TextFormatJsonSchema | TextFormatJsonObject, Field(discriminator="type")
     ] = Field(default_factory=lambda: TextFormatText(type="text"))
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ReasoningConfig(_Strict):
+class ReasoningConfig(StrictModel):
     effort: Literal["low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     # The SDK's types still carry summary's deprecated name: taken, and echoed, the same way.
@@ -292,7 +292,7 @@ class ReasoningConfig(_Strict):
 # -- the request ------------------------------------------------------------------------------
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     # Accepted and ignored: this server adds no `obfuscation` padding to its delta events (the
     # official API pads payload sizes against side channels on its network).
     include_obfuscation: bool | None = None
@@ -316,7 +316,7 @@ NULL_MEANS_DEFAULT = frozenset(
 MAX_OUTPUT_TOKENS = (1 << 31) - 1
 
 
-def _check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     # The official limits: 16 pairs, keys up to 64 characters, values up to 512.
     if value is None:
         return value
@@ -330,11 +330,11 @@ def _check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
-class ConversationRef(_Strict):
+class ConversationRef(StrictModel):
     id: str = Field(min_length=1)
 
 
-class CreateResponseRequest(_Strict):
+class CreateResponseRequest(StrictModel):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
     instructions: str | None = None
@@ -379,7 +379,7 @@ class CreateResponseRequest(_Strict):
             return {k: v for k, v in data.items() if v is not None or k not in NULL_MEANS_DEFAULT}
         return data
 
-    _check_metadata = field_validator("metadata")(_check_metadata)
+    _check_metadata = field_validator("metadata")(check_metadata)
 
     @property
     def conversation_id(self) -> str | None:
@@ -389,7 +389,7 @@ class CreateResponseRequest(_Strict):
         return self.conversation
 
 
-class InputTokenCountRequest(_Strict):
+class InputTokenCountRequest(StrictModel):
     """``POST /v1/responses/input_tokens``: the fields of a create request that make the prompt,
     each optional (``model``: the served one). ``personality`` is not served here (a 400
     naming it, as an unknown field)."""
@@ -422,18 +422,18 @@ class InputTokenCountRequest(_Strict):
 MAX_ITEMS_PER_CALL = 20
 
 
-class CreateConversationRequest(_Strict):
+class CreateConversationRequest(StrictModel):
     items: list[InputItem] | None = Field(default=None, max_length=MAX_ITEMS_PER_CALL)
     metadata: dict[str, str] | None = None
 
-    _check_metadata = field_validator("metadata")(_check_metadata)
+    _check_metadata = field_validator("metadata")(check_metadata)
 
 
-class UpdateConversationRequest(_Strict):
+class UpdateConversationRequest(StrictModel):
     metadata: dict[str, str] | None  # required; null clears it
 
-    _check_metadata = field_validator("metadata")(_check_metadata)
+    _check_metadata = field_validator("metadata")(check_metadata)
 
 
-class AddConversationItemsRequest(_Strict):
+class AddConversationItemsRequest(StrictModel):
     items: list[InputItem] = Field(min_length=1, max_length=MAX_ITEMS_PER_CALL)
