@@ -9,13 +9,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 
+import openai
 import uvicorn
 
-from gptoss_serve.config import SampledToken, SamplingParams
+from gptoss_serve.config import SampledToken, SamplingParams, ServerConfig
 from gptoss_serve.constrain import adapter as constrain_adapter
 from gptoss_serve.engine.client import EngineError, EngineInfo
 from gptoss_serve.harmony import adapter
+from gptoss_serve.server.app import create_app
+from gptoss_serve.server.store import ResponseStore
 
 # Scripted model outputs (what follows the prompt's <|start|>assistant), one per case.
 REASONING_THEN_FINAL = (
@@ -162,3 +166,15 @@ def running_server(app, **options) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def scripted_server(
+    reply: str, store_path: str | Path = ":memory:"
+) -> Iterator[tuple[str, openai.OpenAI, ScriptedEngine]]:
+    """A loopback server over a ScriptedEngine that answers ``reply`` to every request unless a
+    script is queued: (its base URL, the SDK's client for it, the engine)."""
+    engine = ScriptedEngine()
+    engine.last_script = harmony_tokens(reply)
+    with running_server(create_app(engine, ResponseStore(store_path), ServerConfig())) as url:
+        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), engine

@@ -28,6 +28,7 @@ from server_helpers import (
     ScriptedEngine,
     harmony_tokens,
     running_server,
+    scripted_server,
 )
 
 CHAT_TOOLS = [
@@ -39,10 +40,8 @@ HI = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture()
 def served() -> Iterator[tuple[str, openai.OpenAI, ScriptedEngine]]:
-    engine = ScriptedEngine()
-    engine.last_script = harmony_tokens(REASONING_THEN_FINAL)
-    with running_server(create_app(engine, ResponseStore(":memory:"), ServerConfig())) as url:
-        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0), engine
+    with scripted_server(REASONING_THEN_FINAL) as serving:
+        yield serving
 
 
 def _valid(completion: ChatCompletion) -> ChatCompletion:

@@ -6,7 +6,6 @@ validated against the SDK's own types, and the prompts the engine got show what 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,11 @@ from openai.types.conversations import Conversation, ConversationItem, Conversat
 from openai.types.responses import Response
 from pydantic import TypeAdapter
 
-from gptoss_serve.config import ServerConfig
 from gptoss_serve.harmony.adapter import decode
-from gptoss_serve.server.app import create_app
 from gptoss_serve.server.conversation_locks import ConversationLocks
 from gptoss_serve.server.errors import APIError
 from gptoss_serve.server.reasoning_seal import seal, unseal
-from gptoss_serve.server.store import ResponseStore
-from server_helpers import TOOLS, ScriptedEngine, harmony_tokens, running_server
+from server_helpers import TOOLS, ScriptedEngine, harmony_tokens, scripted_server
 
 REPLY = (
     "<|channel|>analysis<|message|>Thinking.<|end|>"
@@ -40,20 +36,9 @@ LONG = "<|channel|>analysis<|message|>" + "word " * 400  # ~4 s at 10 ms a token
 ITEM: TypeAdapter = TypeAdapter(ConversationItem)
 
 
-@contextlib.contextmanager
-def _serving(
-    store_path: str | Path = ":memory:",
-) -> Iterator[tuple[str, openai.OpenAI, ScriptedEngine]]:
-    engine = ScriptedEngine()
-    engine.last_script = harmony_tokens(REPLY)  # what every request gets unless one is queued
-    app = create_app(engine, ResponseStore(store_path), ServerConfig())
-    with running_server(app) as url:
-        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), engine
-
-
 @pytest.fixture()
 def served() -> Iterator[tuple[str, openai.OpenAI, ScriptedEngine]]:
-    with _serving() as serving:
+    with scripted_server(REPLY) as serving:
         yield serving
 
 
@@ -226,7 +211,7 @@ def test_bad_requests_name_the_field(served) -> None:
 
 
 def test_one_response_at_a_time_per_conversation() -> None:
-    with _serving() as (url, client, engine):
+    with scripted_server(REPLY) as (url, client, engine):
         engine.queue(harmony_tokens(LONG), harmony_tokens(REPLY), harmony_tokens(REPLY))
         engine.delay = 0.01
         conversation = client.conversations.create()
@@ -307,10 +292,10 @@ def test_include_shows_sealed_reasoning_and_logprobs_only_when_asked(served) -> 
 
 def test_conversations_survive_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "store.sqlite3"
-    with _serving(path) as (_, client, _):
+    with scripted_server(REPLY, path) as (_, client, _):
         conversation = client.conversations.create(metadata={"a": "b"})
         client.responses.create(model="demo", conversation=conversation.id, input="Hi")
-    with _serving(path) as (_, client, engine):
+    with scripted_server(REPLY, path) as (_, client, engine):
         assert client.conversations.retrieve(conversation.id).metadata == {"a": "b"}
         client.responses.create(model="demo", conversation=conversation.id, input="Again")
         assert "Hello!" in decode(engine.prompts[-1])
