@@ -180,10 +180,59 @@ def test_sampling_fields_reach_the_engine(served) -> None:
     assert streamed[-1].bytes is None and streamed[0].bytes == entries[0].bytes
 
 
+def test_n_choices_each_a_generation_of_their_own(served) -> None:
+    url, client, engine = served
+    num_requests, full = len(engine.prompts), len(harmony_tokens(REASONING_THEN_FINAL))
+    completion = _valid(client.chat.completions.create(model="demo", messages=HI, n=3, seed=5))
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    for choice in completion.choices:
+        assert choice.message.content == "Hello there, friend! 👋"
+        assert choice.message.model_extra["reasoning_content"] == "The user greets. Reply."
+    prompts, params = engine.prompts[num_requests:], engine.params[num_requests:]
+    assert len(prompts) == 3 and prompts[0] == prompts[1] == prompts[2]
+    assert [p.seed for p in params] == [5, 6, 7]  # the set repeats; the choices differ
+    usage = completion.usage  # the prompt once, every choice's output
+    assert usage.prompt_tokens == len(prompts[0]) and usage.completion_tokens == 3 * full
+    assert usage.total_tokens == usage.prompt_tokens + 3 * full
+    client.chat.completions.create(model="demo", messages=HI, n=2)
+    assert [p.seed for p in engine.params[-2:]] == [None, None]
+
+    chunks = list(client.chat.completions.create(
+        model="demo", messages=HI, n=2, stream=True, stream_options={"include_usage": True}
+    ))  # fmt: skip
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.model_dump(mode="json"))
+    assert len({chunk.id for chunk in chunks}) == 1
+    for index in (0, 1):
+        mine = [chunk.choices[0] for chunk in chunks if chunk.choices
+                and chunk.choices[0].index == index]  # fmt: skip
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "stop"
+        assert "".join(c.delta.content or "" for c in mine) == "Hello there, friend! 👋"
+    assert [chunk for chunk in chunks if chunk.usage] == [chunks[-1]]
+    assert chunks[-1].usage.completion_tokens == 2 * full
+    with client.chat.completions.stream(model="demo", messages=HI, n=2, stop=",") as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    assert [choice.message.content for choice in final.choices] == ["Hello there"] * 2
+
+    engine.queue(
+        harmony_tokens(REASONING_THEN_FINAL),
+        [*harmony_tokens("<|channel|>analysis<|message|>Hm"), RuntimeError("GPU gone")],
+    )
+    engine.delay = 0.01  # the first choice still runs when the second fails
+    num_aborted = len(engine.aborted)
+    error = _error(httpx.post(f"{url}/v1/chat/completions",
+                              json={"model": "demo", "messages": HI, "n": 2}), 500)  # fmt: skip
+    assert "GPU gone" in error["message"]
+    assert len(engine.aborted) - num_aborted == 2  # the failed one and the one it stopped
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
@@ -283,3 +332,8 @@ def test_the_demo_model_through_the_sdk(demo_dir: Path) -> None:
         for chunk in chunks:
             ChatCompletionChunk.model_validate(chunk.model_dump(mode="json"))
         assert chunks[-1].choices[0].finish_reason == completion.choices[0].finish_reason
+        pair = _valid(client.chat.completions.create(
+            model="demo", messages=HI, max_completion_tokens=8, seed=7, n=2
+        ))  # fmt: skip
+        assert [choice.index for choice in pair.choices] == [0, 1]
+        assert pair.usage.completion_tokens <= 16

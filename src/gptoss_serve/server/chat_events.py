@@ -21,10 +21,13 @@ FINISH_REASONS = {"completed": "stop", "incomplete": "length"}
 
 @dataclass
 class ChatStreamState:
+    """One choice's stream: the completion's id, creation time and model (the same in every
+    choice's state) and the choice's own index, tool-call numbering and stop sequences."""
+
     model: str
-    include_usage: bool = False
     id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(16)}")
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice's
     tool_indices: dict[int, int] = field(default_factory=dict)  # output_index -> tool index
     stops: StopSequences | None = None  # the request's stop sequences, if any
 
@@ -73,9 +76,12 @@ def _ended(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]
     held = "" if state.stops is None else state.stops.flush()  # it never became a stop
     chunks = [_chunk(state, {"content": held})] if held else []
     chunks.append(_chunk(state, {}, finish_reason=finish_reason(response)))
-    if state.include_usage:
-        chunks.append({**_head(state), "choices": [], "usage": usage(response)})
     return chunks
+
+
+def usage_chunk(state: ChatStreamState, responses: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last chunk of a stream that asked for ``include_usage``: all choices' usage."""
+    return {**_head(state), "choices": [], "usage": usage(responses)}
 
 
 def _failed(_: ChatStreamState, event: dict[str, Any]) -> list[dict[str, Any]]:
@@ -98,8 +104,17 @@ _HANDLERS = {
 }
 
 
-def completion(state: ChatStreamState, response: dict[str, Any], logprobs: bool) -> dict[str, Any]:
-    """The ``chat.completion`` of a finished (completed or incomplete) response."""
+def completion(
+    state: ChatStreamState, choices: list[dict[str, Any]], responses: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The ``chat.completion`` of the choices (``completion_choice`` of each finished response)."""
+    return {**_head(state, "chat.completion"), "choices": choices, "usage": usage(responses)}
+
+
+def completion_choice(
+    state: ChatStreamState, response: dict[str, Any], logprobs: bool
+) -> dict[str, Any]:
+    """A completion's choice from its finished (completed or incomplete) response."""
     content, reasoning, tool_calls, entries = "", "", [], []
     for item in response["output"]:
         if item["type"] == "reasoning":
@@ -123,13 +138,12 @@ def completion(state: ChatStreamState, response: dict[str, Any], logprobs: bool)
     }
     if tool_calls:
         message["tool_calls"] = tool_calls
-    choice = {
-        "index": 0,
+    return {
+        "index": state.index,
         "message": message,
         "finish_reason": finish_reason(response),
         "logprobs": {"content": entries, "refusal": None} if logprobs else None,
     }
-    return {**_head(state, "chat.completion"), "choices": [choice], "usage": usage(response)}
 
 
 def finish_reason(response: dict[str, Any]) -> str:
@@ -140,16 +154,20 @@ def finish_reason(response: dict[str, Any]) -> str:
     return FINISH_REASONS[response["status"]]
 
 
-def usage(response: dict[str, Any]) -> dict[str, Any]:
-    used = response["usage"]
+def usage(responses: list[dict[str, Any]]) -> dict[str, Any]:
+    """The choices' usage: their prompt once (the first choice's count, and what of it came
+    from the cache), the output tokens of all."""
+    prompt = responses[0]["usage"]
+    output = sum(response["usage"]["output_tokens"] for response in responses)
+    reasoning = sum(
+        response["usage"]["output_tokens_details"]["reasoning_tokens"] for response in responses
+    )
     return {
-        "prompt_tokens": used["input_tokens"],
-        "completion_tokens": used["output_tokens"],
-        "total_tokens": used["total_tokens"],
-        "prompt_tokens_details": {"cached_tokens": used["input_tokens_details"]["cached_tokens"]},
-        "completion_tokens_details": {
-            "reasoning_tokens": used["output_tokens_details"]["reasoning_tokens"]
-        },
+        "prompt_tokens": prompt["input_tokens"],
+        "completion_tokens": output,
+        "total_tokens": prompt["input_tokens"] + output,
+        "prompt_tokens_details": {"cached_tokens": prompt["input_tokens_details"]["cached_tokens"]},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     }
 
 
@@ -164,8 +182,9 @@ def _chunk(
     finish_reason: str | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-    return {**_head(state), "choices": [choice]}
+    entry = {"index": state.index, "delta": delta, "finish_reason": finish_reason,
+             "logprobs": logprobs}  # fmt: skip
+    return {**_head(state), "choices": [entry]}
 
 
 def _with_bytes(entry: dict[str, Any]) -> dict[str, Any]:

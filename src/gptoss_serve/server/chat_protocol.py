@@ -2,10 +2,11 @@
 request (the same checks, prompt and generation serve both APIs: chat_routes.py).
 
 Strict as protocol.py's: unknown fields are a 400. Fields of the official API that change
-nothing here are taken at their no-op values (``n`` 1, penalties 0, an empty ``logit_bias``);
-any other value of them, and features this server does not have (``stop`` sequences, audio,
-images, ``store``d completions), is a 400 naming the field rather than silently ignored.
-``stop`` sequences are not a Responses field: chat_routes.py applies them to the answer.
+nothing here are taken at their no-op values (penalties 0, an empty ``logit_bias``); any other
+value of them, and features this server does not have (audio, images, ``store``d
+completions), is a 400 naming the field rather than silently ignored. ``stop`` sequences and
+``n`` choices are not Responses fields: chat_routes.py applies the first to the answer, and
+runs the request n times (chat_choices.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from gptoss_serve.server.protocol import (
     check_json_schema,
     check_metadata,
 )
+
+MAX_CHOICES = 128  # the official API's bound on ``n``
 
 # -- messages ---------------------------------------------------------------------------------
 
@@ -188,8 +191,8 @@ class ChatCompletionRequest(StrictModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices (chat_choices.py)
     # Taken only at the values that change nothing (anything else: a 400 naming it).
-    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -202,7 +205,6 @@ class ChatCompletionRequest(StrictModel):
 
 
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
@@ -210,7 +212,6 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
 }
 _WHY = {
-    "n": "only one choice (n: 1) is generated",
     "store": "chat completions are not stored (use /v1/responses with store: true)",
     "modalities": "only text is generated",
 }

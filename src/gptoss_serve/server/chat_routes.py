@@ -9,6 +9,7 @@ request's field, not the Responses one it was checked as.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -21,7 +22,14 @@ from pydantic import ValidationError
 
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
-from gptoss_serve.server.chat_events import ChatStreamState, chunks_for, completion
+from gptoss_serve.server.chat_choices import fork, merged
+from gptoss_serve.server.chat_events import (
+    ChatStreamState,
+    chunks_for,
+    completion,
+    completion_choice,
+    usage_chunk,
+)
 from gptoss_serve.server.chat_protocol import (
     ChatCompletionRequest,
     Translation,
@@ -32,7 +40,7 @@ from gptoss_serve.server.conversation_locks import ConversationLocks
 from gptoss_serve.server.disconnect import CLIENT_CLOSED_REQUEST, unless_client_leaves
 from gptoss_serve.server.errors import APIError, from_validation_error
 from gptoss_serve.server.metrics import ServerMetrics
-from gptoss_serve.server.objects import ErrorResponse
+from gptoss_serve.server.objects import ErrorResponse, ResponseObject
 from gptoss_serve.server.protocol import CreateResponseRequest
 from gptoss_serve.server.render_workers import RenderWorkers
 from gptoss_serve.server.responses import Prepared, prepare, run
@@ -62,25 +70,34 @@ def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         prepared = await _prepare(body, services)
-        state = ChatStreamState(model=prepared.response.model)
-        if body.stop:  # the generation ends once the answer's text holds one
-            stops = StopSequences((body.stop,) if isinstance(body.stop, str) else tuple(body.stop))
-            state.stops = stops
-            prepared.stop_when = lambda: stops.stopped
-        stream = run(prepared, services.engine, services.store, services.metrics)
+        choices = fork(prepared, body.n or 1, SEED_RANGE)
+        head = ChatStreamState(model=prepared.response.model)
+        states = [ChatStreamState(head.model, head.id, head.created, index)
+                  for index in range(len(choices))]  # fmt: skip
+        if body.stop:  # a choice's generation ends once its answer's text holds one
+            stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+            for state, choice in zip(states, choices, strict=True):
+                state.stops = stops = StopSequences(stop)
+                choice.stop_when = lambda stops=stops: stops.stopped
+        engine, store, metrics = services.engine, services.store, services.metrics
+        events = merged(choices, lambda one: run(one, engine, store, metrics))
+        responses = [choice.response for choice in choices]
         if body.stream:
             include = body.stream_options is not None and bool(body.stream_options.include_usage)
-            state.include_usage = include
-            return sse_response(_sse(state, stream))
-        if not await unless_client_leaves(_drain(state, stream), request):
-            logger.info("chat completion %s: the client left; generation stopped", state.id)
+            return sse_response(_sse(states, events, responses if include else None))
+        if not await unless_client_leaves(_drain(states, events), request):
+            logger.info("chat completion %s: the client left; generation stopped", head.id)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        response = prepared.response.dump()
-        if response["status"] == "failed":
-            error = response.get("error") or {}
-            raise APIError(500, error.get("message", "generation failed"), code="server_error",
-                           error_type="server_error")  # fmt: skip
-        return JSONResponse(completion(state, response, bool(body.logprobs)))
+        dumped = [response.dump() for response in responses]
+        for response in dumped:
+            if response["status"] == "failed":
+                error = response.get("error") or {}
+                raise APIError(500, error.get("message", "generation failed"),
+                               code="server_error", error_type="server_error")  # fmt: skip
+        logprobs = bool(body.logprobs)
+        made = [completion_choice(state, response, logprobs)
+                for state, response in zip(states, dumped, strict=True)]  # fmt: skip
+        return JSONResponse(completion(head, made, dumped))
 
 
 async def _prepare(body: ChatCompletionRequest, services: ChatServices) -> Prepared:
@@ -115,16 +132,35 @@ def _responses_request(translation: Translation) -> CreateResponseRequest:
     return request
 
 
-async def _drain(state: ChatStreamState, stream: AsyncIterator[dict[str, Any]]) -> None:
-    """A non-streamed run to its end, its events through the chunks' state all the same (the
-    stop sequences are matched there)."""
-    async for event in stream:
-        chunks_for(state, event)
+async def _drain(
+    states: list[ChatStreamState], events: AsyncIterator[tuple[int, dict[str, Any]]]
+) -> None:
+    """A non-streamed run to its end, its events through the chunks' states all the same (the
+    stop sequences are matched there); a failed choice ends it (the others are stopped)."""
+    async with contextlib.aclosing(events):
+        async for index, event in events:
+            chunks_for(states[index], event)
+            if event["type"] == "response.failed":
+                break
 
 
-async def _sse(state: ChatStreamState, stream: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """``data: <chunk>`` blocks, then ``data: [DONE]``, as the official stream ends."""
-    async for event in stream:
-        for chunk in chunks_for(state, event):
-            yield f"data: {JSON.encode(chunk)}\n\n"
+async def _sse(
+    states: list[ChatStreamState],
+    events: AsyncIterator[tuple[int, dict[str, Any]]],
+    usage_of: list[ResponseObject] | None,
+) -> AsyncIterator[str]:
+    """``data: <chunk>`` blocks (each choice's under its index), the usage chunk if asked for
+    (``usage_of``: the choices' responses), then ``data: [DONE]``, as the official stream
+    ends. An error chunk ends the stream: the other choices are stopped."""
+    failed = False
+    async with contextlib.aclosing(events):
+        async for index, event in events:
+            for chunk in chunks_for(states[index], event):
+                yield f"data: {JSON.encode(chunk)}\n\n"
+            if event["type"] == "response.failed":
+                failed = True
+                break
+    if usage_of is not None and not failed:
+        usage = usage_chunk(states[0], [response.dump() for response in usage_of])
+        yield f"data: {JSON.encode(usage)}\n\n"
     yield "data: [DONE]\n\n"
