@@ -1,0 +1,274 @@
+"""A soak of a running server with the traffic that tests its bookkeeping: clients that leave
+mid-stream or time out mid-generation, background responses cancelled, chat choices (``n``),
+stop sequences, grammars, long prompts, ``previous_response_id`` chains. Afterwards the engine
+must be idle with its KV cache free, and no request may have had a 5xx or a broken stream.
+
+    python bench/serve_soak.py --base-url http://127.0.0.1:8000 [--seconds 150]
+        [--workers 48] [--prompt-words 2500] [--model ID] [--out bench/results/serve_soak.json]
+
+First, on the idle server, a chat request with ``n: 4`` and a fresh prompt (2,500 words), and then
+4 separate requests with another fresh prompt at once: the engine's prefix-cache counters say
+how much of the prompt each computed again (chat_choices.py starts the other choices once the
+first has output, so that they find the prompt cached). Exit status 1 if anything was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger("bench.serve_soak")
+
+VOCAB = ("river", "stone", "cloud", "amber", "falcon", "quartz", "meadow", "lantern", "harbor")
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 20}},
+          "required": ["a"], "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "name": "f", "strict": True,
+          "parameters": {"type": "object", "properties": {"x": {"type": "integer"}},
+                         "required": ["x"], "additionalProperties": False}}]  # fmt: skip
+KINDS = ("chat_n", "chat_stream_n", "chat_stream_cut", "chat_stop", "responses_stream_cut",
+         "timeout", "background_cancel", "json_schema", "tool_required", "long",
+         "chain")  # fmt: skip
+_SAMPLE = re.compile(r"^([a-zA-Z_:]+)(\{[^}]*\})? ([0-9.eE+-]+)$")
+HITS = "gptoss_prefix_cache_hit_tokens_total"
+QUERIED = "gptoss_prefix_cache_queried_tokens_total"
+
+
+def words(count: int, salt: int) -> str:
+    rng = random.Random(salt)
+    return " ".join(rng.choice(VOCAB) for _ in range(count))
+
+
+async def metrics(client: httpx.AsyncClient, base: str) -> dict[str, float]:
+    """The Prometheus samples of ``/metrics`` by name (with labels)."""
+    found = {}
+    for line in (await client.get(f"{base}/metrics")).text.splitlines():
+        sample = _SAMPLE.match(line)
+        if sample is not None:
+            found[sample.group(1) + (sample.group(2) or "")] = float(sample.group(3))
+    return found
+
+
+async def prefix_reuse(
+    client: httpx.AsyncClient, base: str, model: str, prompt_words: int
+) -> dict[str, Any]:
+    """``n: 4`` on one request against 4 requests at once: prompt tokens served from cache."""
+    before = await metrics(client, base)
+    messages = [{"role": "user", "content": words(prompt_words, 1)}]
+    body = {"model": model, "messages": messages, "n": 4, "max_tokens": 16, "seed": 3}
+    start = time.perf_counter()
+    reply = (await client.post(f"{base}/v1/chat/completions", json=body)).json()
+    wall_n = time.perf_counter() - start
+    middle = await metrics(client, base)
+    body = {"model": model, "messages": [{"role": "user", "content": words(prompt_words, 2)}],
+            "max_tokens": 16}  # fmt: skip
+    start = time.perf_counter()
+    codes = await asyncio.gather(*(client.post(f"{base}/v1/chat/completions", json=body)
+                                   for _ in range(4)))  # fmt: skip
+    wall_4 = time.perf_counter() - start
+    after = await metrics(client, base)
+    return {
+        "prompt_tokens": reply["usage"]["prompt_tokens"],
+        "n4": {"wall_s": round(wall_n, 3), "choices": len(reply["choices"]),
+               "queried_tokens": middle.get(QUERIED, 0) - before.get(QUERIED, 0),
+               "hit_tokens": middle.get(HITS, 0) - before.get(HITS, 0)},
+        "four_requests": {"wall_s": round(wall_4, 3), "codes": [r.status_code for r in codes],
+                          "queried_tokens": after.get(QUERIED, 0) - middle.get(QUERIED, 0),
+                          "hit_tokens": after.get(HITS, 0) - middle.get(HITS, 0)},
+    }  # fmt: skip
+
+
+class Soak:
+    def __init__(self, base: str, model: str) -> None:
+        self.base, self.model = base, model
+        self.codes: collections.Counter[str] = collections.Counter()
+        self.problems: list[str] = []
+
+    def count(self, kind: str, status: int | str) -> None:
+        self.codes[f"{kind} {status}"] += 1
+        if isinstance(status, int) and status >= 500:
+            self.problems.append(f"{kind}: HTTP {status}")
+
+    async def one(self, client: httpx.AsyncClient, rng: random.Random, salt: int) -> None:
+        kind = rng.choice(KINDS)
+        text = words(rng.randint(5, 400), salt)
+        if kind.startswith("chat"):
+            await self._chat(client, kind, rng, salt, text)
+        elif kind in ("json_schema", "tool_required"):
+            await self._constrained(client, kind, text)
+        else:
+            await self._responses(client, kind, rng, salt, text)
+
+    async def _chat(self, client, kind: str, rng: random.Random, salt: int, text: str) -> None:
+        messages = [{"role": "user", "content": text}]
+        if kind == "chat_n":
+            body = {"model": self.model, "messages": messages, "n": rng.choice([1, 2, 4]),
+                    "max_tokens": rng.randint(1, 96), "seed": salt}  # fmt: skip
+            reply = await client.post(f"{self.base}/v1/chat/completions", json=body)
+            self.count(kind, reply.status_code)
+            if reply.status_code == 200 and len(reply.json()["choices"]) != body["n"]:
+                self.problems.append(f"{kind}: {len(reply.json()['choices'])} of {body['n']}")
+            return
+        body = {"model": self.model, "messages": messages, "n": rng.choice([1, 2, 3]),
+                "max_tokens": rng.randint(8, 128), "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        if kind == "chat_stop":
+            body["stop"] = [rng.choice(["e", "a", " ", "ing"])]
+        cut = rng.randint(1, 30) if kind == "chat_stream_cut" else None
+        await self._stream(client, kind, "/v1/chat/completions", body, cut=cut,
+                           last_expected="data: [DONE]")  # fmt: skip
+
+    async def _responses(self, client, kind: str, rng: random.Random, salt: int, text: str):
+        url = f"{self.base}/v1/responses"
+        if kind == "responses_stream_cut":
+            body = {"model": self.model, "input": text, "stream": True,
+                    "max_output_tokens": rng.randint(16, 256),
+                    "store": rng.random() < 0.5}  # fmt: skip
+            await self._stream(client, kind, "/v1/responses", body, cut=rng.randint(1, 40))
+        elif kind == "timeout":  # the client leaves a plain request mid-generation
+            body = {"model": self.model, "input": text, "max_output_tokens": 400}
+            try:
+                reply = await client.post(url, json=body, timeout=rng.uniform(0.05, 0.6))
+                self.count(kind, reply.status_code)
+            except httpx.TimeoutException:
+                self.count(kind, "client_timeout")
+        elif kind == "background_cancel":
+            body = {"model": self.model, "input": text, "max_output_tokens": 300,
+                    "background": True}  # fmt: skip
+            reply = await client.post(url, json=body)
+            self.count(kind, reply.status_code)
+            if reply.status_code == 200:
+                await asyncio.sleep(rng.uniform(0, 0.5))
+                cancel = f"{url}/{reply.json()['id']}/cancel"
+                self.count(f"{kind}_cancel", (await client.post(cancel)).status_code)
+        elif kind == "long":
+            body = {"model": self.model, "input": words(rng.randint(3000, 7000), salt),
+                    "max_output_tokens": 16}  # fmt: skip
+            self.count(kind, (await client.post(url, json=body)).status_code)
+        else:  # chain
+            body = {"model": self.model, "input": text, "max_output_tokens": 32}
+            reply = await client.post(url, json=body)
+            self.count(kind, reply.status_code)
+            if reply.status_code == 200:
+                body = {"model": self.model, "previous_response_id": reply.json()["id"],
+                        "input": "more", "max_output_tokens": 32}  # fmt: skip
+                self.count(f"{kind}_2", (await client.post(url, json=body)).status_code)
+
+    async def _stream(self, client, kind, path, body, *, cut=None, last_expected=None) -> None:
+        async with client.stream("POST", f"{self.base}{path}", json=body) as reply:
+            lines, last = 0, ""
+            async for line in reply.aiter_lines():
+                if line:
+                    lines, last = lines + 1, line
+                if cut is not None and lines >= cut:
+                    break  # the client leaves
+            self.count(kind, reply.status_code)
+        if cut is None and reply.status_code == 200 and last != last_expected:
+            self.problems.append(f"{kind}: the stream ended with {last[:120]!r}")
+
+    async def _constrained(self, client: httpx.AsyncClient, kind: str, text: str) -> None:
+        body: dict[str, Any] = {"model": self.model, "input": text, "max_output_tokens": 300,
+                                "reasoning_budget": 24}  # fmt: skip
+        if kind == "json_schema":
+            body["text"] = {"format": {"type": "json_schema", "name": "s", "schema": SCHEMA,
+                                       "strict": True}}  # fmt: skip
+        else:
+            body.update(tools=TOOLS, tool_choice="required")
+        reply = await client.post(f"{self.base}/v1/responses", json=body)
+        self.count(kind, reply.status_code)
+        if reply.status_code != 200 or reply.json()["status"] != "completed":
+            return
+        last = reply.json()["output"][-1]
+        try:
+            if kind == "json_schema":
+                value = json.loads(last["content"][0]["text"])
+                ok = set(value) == {"a"} and isinstance(value["a"], str)
+            else:
+                ok = isinstance(json.loads(last["arguments"])["x"], int)
+        except (KeyError, IndexError, json.JSONDecodeError):
+            ok = False
+        if not ok:
+            self.problems.append(f"{kind}: output outside its grammar: {json.dumps(last)[:200]}")
+
+    async def worker(self, number: int, deadline: float) -> None:
+        rng = random.Random(number)
+        async with httpx.AsyncClient(timeout=120) as client:
+            salt = number * 1_000_000
+            while time.perf_counter() < deadline:
+                salt += 1
+                try:
+                    await self.one(client, rng, salt)
+                except httpx.HTTPError as error:  # a transport failure is a finding, not a crash
+                    self.problems.append(f"{type(error).__name__}: {error}")
+
+
+async def idle_after(client: httpx.AsyncClient, base: str, wait_s: float = 60) -> dict[str, float]:
+    """The engine's gauges once nothing runs or waits (or after ``wait_s``)."""
+    deadline = time.perf_counter() + wait_s
+    while True:
+        found = await metrics(client, base)
+        idle = found.get("gptoss_engine_requests_running", 0) == 0
+        if (idle and found.get("gptoss_engine_requests_waiting", 0) == 0) or (
+            time.perf_counter() > deadline
+        ):
+            kept = ("gptoss_engine", "gptoss_kv", "gptoss_requests_running")
+            return {k: v for k, v in found.items() if k.startswith(kept)}
+        await asyncio.sleep(1)
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        model = (
+            args.model or (await client.get(f"{args.base_url}/v1/models")).json()["data"][0]["id"]
+        )
+        result: dict[str, Any] = {
+            "model": model,
+            "prefix_reuse": await prefix_reuse(client, args.base_url, model, args.prompt_words),
+        }
+        runner = Soak(args.base_url, model)
+        start = time.perf_counter()
+        deadline = start + args.seconds
+        await asyncio.gather(*(runner.worker(w, deadline) for w in range(args.workers)))
+        seconds = round(time.perf_counter() - start, 1)
+        result.update(seconds=seconds, workers=args.workers, requests=sum(runner.codes.values()),
+                      codes=dict(sorted(runner.codes.items())), problems=runner.problems,
+                      after=await idle_after(client, args.base_url))  # fmt: skip
+    after = result["after"]
+    busy = [k for k, v in after.items() if v and not k.startswith("gptoss_engine_preemptions")]
+    if busy:
+        result["problems"].append(f"not idle afterwards: {busy}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the server's first model")
+    parser.add_argument("--seconds", type=float, default=150)
+    parser.add_argument("--workers", type=int, default=48)
+    parser.add_argument(
+        "--prompt-words", type=int, default=2500, help="of the prefix-reuse prompts"
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    result = asyncio.run(soak(args))
+    text = json.dumps(result, indent=1)
+    logger.info("%s", text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 1 if result["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
