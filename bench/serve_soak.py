@@ -19,6 +19,7 @@ import asyncio
 import collections
 import json
 import logging
+import os
 import random
 import re
 import sys
@@ -232,6 +233,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             args.model or (await client.get(f"{args.base_url}/v1/models")).json()["data"][0]["id"]
         )
         result: dict[str, Any] = {
+            "commit": os.environ.get("BENCH_COMMIT"),
+            "date": time.strftime("%Y-%m-%d"),
             "model": model,
             "prefix_reuse": await prefix_reuse(client, args.base_url, model, args.prompt_words),
         }
