@@ -8,8 +8,8 @@ must be idle with its KV cache free, and no request may have had a 5xx or a brok
 
 First, on the idle server, a chat request with ``n: 4`` and a fresh prompt (2,500 words), and then
 4 separate requests with another fresh prompt at once: the engine's prefix-cache counters say
-how much of the prompt each computed again (chat_choices.py starts the other choices once the
-first has output, so that they find the prompt cached). Exit status 1 if anything was wrong.
+how much of the prompt each computed again (the scheduler holds back a request whose next
+prompt block a running prefill is computing). Exit status 1 if anything was wrong.
 """
 
 from __future__ import annotations

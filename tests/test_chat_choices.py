@@ -1,5 +1,5 @@
-"""chat_choices.merged: a chat request's n runs, the first alone until it has output, each run
-waiting at every event until the consumer has taken it, all stopped when the merge is closed."""
+"""chat_choices.merged: a chat request's n runs, started together, each waiting at every event
+until the consumer has taken it, all stopped when the merge is closed."""
 
 from __future__ import annotations
 
@@ -52,17 +52,16 @@ async def _collect(runs: Runs, n: int, limit: int | None = None) -> list[tuple[i
     return got
 
 
-def test_the_other_choices_start_once_the_first_has_output() -> None:
+def test_the_choices_run_together_each_in_its_own_order() -> None:
     runs = Runs()
     got = asyncio.run(_collect(runs, 3))
     assert sorted(index for index, _ in got) == [0] * 5 + [1] * 5 + [2] * 5
     for index in range(3):  # each choice's own events in order
         assert [event for i, event in got if i == index][:2] == START
     starts = [position for position, entry in enumerate(runs.log) if entry[0] == "start"]
-    start_events_taken = runs.log.index(("taken", 0, 1))  # then it made its first delta
-    assert starts[0] < start_events_taken < starts[1] < starts[2]
-    assert [entry[1] for entry in runs.log if entry[0] == "end"].count(0) == 1
+    assert starts == [0, 1, 2]  # all started before any event was taken
     assert {entry[1] for entry in runs.log if entry[0] == "end"} == {0, 1, 2}
+    assert len({index for index, _ in got[:6]}) == 3  # interleaved, not one after another
 
 
 def test_one_choice_is_its_run_itself() -> None:
@@ -86,9 +85,3 @@ def test_a_runs_error_is_raised_and_the_others_are_stopped() -> None:
         asyncio.run(_collect(runs, 3))
     ends = {entry[1]: entry[0] for entry in runs.log if entry[0] in ("end", "closed")}
     assert ends == {0: "closed", 1: "closed", 2: "closed"}
-
-
-def test_a_first_run_without_output_still_starts_the_others() -> None:
-    runs = Runs(deltas=0)
-    got = asyncio.run(_collect(runs, 2))
-    assert [index for index, _ in got] == [0, 0, 1, 1]

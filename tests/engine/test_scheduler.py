@@ -287,6 +287,86 @@ def test_shared_system_prompt_is_computed_once() -> None:
     assert stats.prefix_cache_hit_rate == pytest.approx(48 / (53 + 54))
 
 
+def _cached(output, request_id: str) -> int | None:
+    """The cached tokens of ``request_id`` if the step admits it, else None."""
+    entries = [s for s in output.scheduled if s.request_id == request_id and s.is_new]
+    return entries[0].num_cached_tokens if entries else None
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_requests_arriving_together_compute_a_shared_prompt_once(ahead: bool) -> None:
+    scheduler = make_scheduler(num_sliding_blocks=None, max_num_batched_tokens=256)
+    model = FakeModel(scheduler)
+    prompt = list(range(7000, 7000 + 100))  # 6 full blocks and 4 tokens
+    for name in ("a", "b", "c"):
+        scheduler.add_request(make_request(name, prompt))
+    scheduler.add_request(make_request("other", 40))  # shares nothing: not held back
+    driver = AheadDriver(scheduler, model) if ahead else None
+    first = scheduler.schedule() if ahead else step(scheduler, model)[0]
+    assert [s.request_id for s in first.scheduled] == ["a", "other"]
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]  # still first in line
+    if ahead:  # the next step is scheduled while the first is in flight: a's blocks count
+        driver.launched = (first, model.execute(first, None))
+        second, _ = driver.step()
+        second = driver.launched[0]
+    else:
+        second, _ = step(scheduler, model)
+    assert _cached(second, "b") == _cached(second, "c") == 96
+    assert scheduler.stats().num_prefix_waits == 2
+    results = run_to_completion(scheduler, model) if not ahead else _drain(driver)
+    assert results  # the fake model checked every key it read (shared blocks included)
+    assert scheduler.stats().num_prefix_hit_tokens == 192
+
+
+def _drain(driver) -> bool:
+    while driver.scheduler.has_unfinished_requests:
+        driver.step()
+    return True
+
+
+def test_a_request_waits_for_a_chunked_prefill_of_its_prefix() -> None:
+    scheduler = make_scheduler(num_sliding_blocks=None, max_num_batched_tokens=64,
+                               max_model_len=4096, num_full_blocks=128)  # fmt: skip
+    model = FakeModel(scheduler)
+    shared = list(range(8000, 8000 + 160))  # 10 blocks, computed 64 tokens a step
+    scheduler.add_request(make_request("a", [*shared, 1, 2]))
+    step(scheduler, model)
+    scheduler.add_request(make_request("b", [*shared, 3, 4, 5]))
+    admitted = None
+    for _ in range(4):
+        output, _ = step(scheduler, model)
+        if _cached(output, "b") is not None:
+            admitted = _cached(output, "b")
+            break
+    assert admitted == 160  # the whole shared prefix, none of it computed twice
+    run_to_completion(scheduler, model)
+    assert scheduler.stats().num_prefix_hit_tokens == 160
+
+
+def test_a_short_shared_head_is_not_worth_a_step() -> None:
+    scheduler = make_scheduler(num_sliding_blocks=None, max_num_batched_tokens=256)
+    head = list(range(6000, 6000 + 32))  # two blocks, as a system message every prompt has
+    scheduler.add_request(make_request("a", [*head, *range(100, 180)]))
+    scheduler.add_request(make_request("b", [*head, *range(200, 280)]))
+    output, _ = step(scheduler, FakeModel(scheduler))
+    assert [s.request_id for s in output.scheduled] == ["a", "b"]  # both at once
+    assert scheduler.stats().num_prefix_waits == 0
+
+
+def test_a_waiting_request_goes_on_when_the_prefill_it_waits_for_is_aborted() -> None:
+    scheduler = make_scheduler(num_sliding_blocks=None, max_num_batched_tokens=32)
+    model = FakeModel(scheduler)
+    shared = list(range(9000, 9000 + 96))
+    scheduler.add_request(make_request("a", [*shared, 1]))
+    scheduler.add_request(make_request("b", [*shared, 2]))
+    output, _ = step(scheduler, model)
+    assert [s.request_id for s in output.scheduled] == ["a"]
+    assert scheduler.abort_request("a")
+    output, _ = step(scheduler, model)
+    assert _cached(output, "b") == 32  # a's first chunk, registered before the abort
+    run_to_completion(scheduler, model)
+
+
 def test_previous_turn_is_reused_after_the_request_finished() -> None:
     scheduler = make_scheduler(window=32)
     model = FakeModel(scheduler)

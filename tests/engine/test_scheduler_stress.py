@@ -39,7 +39,9 @@ def _random_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
     return prefix + [rng.randrange(1, 3000) for _ in range(rng.randint(1, 70))]
 
 
-def _run(scheduler: Scheduler, seed: int, ahead: bool, num_requests: int = 60) -> None:
+def _run(
+    scheduler: Scheduler, seed: int, ahead: bool, num_requests: int = 60, bursts: bool = False
+) -> None:
     rng = random.Random(seed)
     model = FakeModel(scheduler, vocab=VOCAB)
     driver = AheadDriver(scheduler, model) if ahead else None
@@ -51,17 +53,19 @@ def _run(scheduler: Scheduler, seed: int, ahead: bool, num_requests: int = 60) -
         if next_id < num_requests and rng.random() < 0.4:
             prompt = _random_prompt(rng, prefixes)
             max_tokens = rng.randint(1, 40)
-            request_id = f"r{next_id}"
-            next_id += 1
-            params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(STOP,))
-            scheduler.add_request(Request(request_id, prompt, params))
-            expected[request_id] = _expected_output(prompt, max_tokens, config.max_model_len)
+            # With bursts, at times the same prompt more than once (a chat request's choices).
+            for _ in range(rng.choice((1, 1, 1, 2, 3)) if bursts else 1):
+                request_id = f"r{next_id}"
+                next_id += 1
+                params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(STOP,))
+                scheduler.add_request(Request(request_id, prompt, params))
+                expected[request_id] = _expected_output(prompt, max_tokens, config.max_model_len)
         if scheduler.requests and rng.random() < 0.03:
             victim = rng.choice(sorted(scheduler.requests))
             assert scheduler.abort_request(victim)
             aborted.add(victim)
         if not scheduler.has_unfinished_requests:
-            if next_id == num_requests:
+            if next_id >= num_requests:
                 break
             continue
         if driver is not None:
@@ -77,7 +81,7 @@ def _run(scheduler: Scheduler, seed: int, ahead: bool, num_requests: int = 60) -
         for result in results:
             streamed.setdefault(result.request_id, []).extend(result.new_token_ids)
         check_invariants(scheduler, None if driver is None else driver.in_flight)
-    assert next_id == num_requests and not scheduler.has_unfinished_requests
+    assert next_id >= num_requests and not scheduler.has_unfinished_requests
     for request_id, tokens in expected.items():
         if request_id not in aborted:
             assert streamed[request_id] == tokens, request_id
@@ -123,3 +127,14 @@ def test_stress_full_attention_only(seed: int, ahead: bool) -> None:
         max_num_batched_tokens=64, max_chunk_tokens=16, max_model_len=200,
     )  # fmt: skip
     _run(scheduler, seed, ahead)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("seed", range(10, 14))
+def test_stress_with_bursts_of_one_prompt(seed: int, ahead: bool) -> None:
+    scheduler = make_scheduler(
+        num_full_blocks=20, num_sliding_blocks=sliding_pool_bound(32, 4, 48), window=32,
+        max_num_seqs=4, max_num_batched_tokens=48, max_model_len=200,
+    )  # fmt: skip
+    _run(scheduler, seed, ahead, bursts=True)
+    assert scheduler.stats().num_prefix_waits > 0  # requests held back for a running prefill

@@ -83,6 +83,7 @@ class Scheduler:
         self._num_preemptions = 0
         self._num_prefix_queried_tokens = 0
         self._num_prefix_hit_tokens = 0
+        self._num_prefix_waits = 0
 
     # -- requests --------------------------------------------------------------------------
 
@@ -225,9 +226,19 @@ class Scheduler:
         )
 
     def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        deferred: list[Request] = []
+        pending: set[bytes] | None = None  # built on first need (see _waits_for_pending)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = self.kv.find_cached_prefix(request)
+            if self.kv.enable_prefix_caching:
+                if pending is None:
+                    pending = set()
+                    for running in self.running:
+                        pending.update(_pending_prompt_blocks(running))
+                if _waits_for_pending(request, prefix, pending):
+                    deferred.append(self.waiting.popleft())
+                    continue
             num_new = min(request.num_tokens - prefix.num_tokens, budget, self.config.chunk_tokens)
             if not self.kv.allocate(request, num_new, prefix):
                 break
@@ -235,6 +246,10 @@ class Scheduler:
             self._start(request, prefix)
             scheduled[request.request_id] = self._scheduled(request, num_new, None)
             budget -= num_new
+            if pending is not None:
+                pending.update(_pending_prompt_blocks(request))
+        self.waiting.extendleft(reversed(deferred))  # back at the front, in their order
+        self._num_prefix_waits += len(deferred)
         return budget
 
     def _start(self, request: Request, prefix: CachedPrefix) -> None:
@@ -351,4 +366,28 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_prefix_queried_tokens=self._num_prefix_queried_tokens,
             num_prefix_hit_tokens=self._num_prefix_hit_tokens,
+            num_prefix_waits=self._num_prefix_waits,
         )
+
+
+def _pending_prompt_blocks(request: Request) -> list[bytes]:
+    """The hashes of the full prompt blocks a running request has yet to register: blocks
+    that its prefill computes in this step or a later one."""
+    num_prompt_blocks = min(request.num_prompt_tokens // BLOCK_SIZE, len(request.block_hashes))
+    return request.block_hashes[request.num_registered_blocks : num_prompt_blocks]
+
+
+def _waits_for_pending(request: Request, prefix: CachedPrefix, pending: set[bytes]) -> bool:
+    """Whether a waiting request should wait for a running prefill: when the blocks right
+    after its cached prefix are ones that prefill is computing (the same tokens after the same
+    prefix) and make up at least half of what it would compute itself. It then waits a step
+    or more and finds them in the cache instead of computing them too: a chat request's n
+    choices, agents sent out together with one long context. A short shared head (the system
+    message every prompt begins with) is not worth a step's delay."""
+    start = prefix.num_tokens // BLOCK_SIZE
+    stop = min((request.num_tokens - 1) // BLOCK_SIZE, len(request.block_hashes))  # cacheable
+    shared = start
+    while shared < stop and request.block_hashes[shared] in pending:
+        shared += 1
+    num_shared = (shared - start) * BLOCK_SIZE
+    return num_shared > 0 and 2 * num_shared >= request.num_tokens - prefix.num_tokens

@@ -93,6 +93,9 @@ class SchedulerStats:
     num_preemptions: int
     num_prefix_queried_tokens: int  # tokens of admitted requests looked up in the prefix cache
     num_prefix_hit_tokens: int
+    # Admissions put off a step because a running prefill was computing the request's next
+    # prompt block (scheduler._waits_for_pending).
+    num_prefix_waits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -3,10 +3,9 @@ they come.
 
 Each choice is a Responses run of its own (its own response object, stream state and stop
 sequences; with a seed, seed + its index, so that the choices differ and the set repeats), so
-the checks, the grammar and the engine path are those of a single choice. The first choice
-starts alone and the others once it has produced output (or ended): by then the engine holds
-the prompt's blocks in its prefix cache and the other prefills reuse them, where n runs started
-together would each compute the whole prompt.
+the checks, the grammar and the engine path are those of a single choice. They start
+together: the engine's scheduler admits the first and holds the others back while its prefill
+computes their prompt (scheduler._waits_for_pending), so they find it in the prefix cache.
 """
 
 from __future__ import annotations
@@ -22,9 +21,6 @@ from gptoss_serve.server.objects import new_id
 from gptoss_serve.server.responses import Prepared
 
 logger = logging.getLogger(__name__)
-
-# The events a run yields before its first token: the others wait for one past these.
-_START_EVENTS = frozenset({"response.created", "response.in_progress"})
 
 
 def fork(prepared: Prepared, n: int, seed_range: int) -> list[Prepared]:
@@ -57,8 +53,9 @@ async def merged(choices: list[Prepared], run: Run) -> AsyncIterator[tuple[int, 
                 yield 0, event
         return
     queue: asyncio.Queue[_Item] = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(0, run(choices[0]), queue))]
-    running, others_started = 1, False
+    tasks = [asyncio.create_task(_pump(index, run(choice), queue))
+             for index, choice in enumerate(choices)]  # fmt: skip
+    running = len(tasks)
     try:
         while running:
             index, event, taken = await queue.get()
@@ -69,11 +66,6 @@ async def merged(choices: list[Prepared], run: Run) -> AsyncIterator[tuple[int, 
             else:
                 yield index, event
                 taken.set()
-            if not others_started and (event is None or event["type"] not in _START_EVENTS):
-                others_started = True
-                tasks += [asyncio.create_task(_pump(other, run(choices[other]), queue))
-                          for other in range(1, len(choices))]  # fmt: skip
-                running += len(choices) - 1
     finally:
         for task in tasks:
             task.cancel()

@@ -92,6 +92,9 @@ class EngineCollector(Collector):
              stats.num_prefix_queried_tokens),
             (CounterMetricFamily, "gptoss_prefix_cache_hit_tokens",
              "Prompt tokens found in the prefix cache.", stats.num_prefix_hit_tokens),
+            (CounterMetricFamily, "gptoss_prefix_cache_waits",
+             "Admissions put off a step while a running prefill computed the same blocks.",
+             stats.num_prefix_waits),
         )  # fmt: skip
         for family, name, text, value in single:
             yield family(name, text, value=value)
