@@ -43,6 +43,7 @@ KINDS = ("chat_n", "chat_stream_n", "chat_stream_cut", "chat_stop", "responses_s
 _SAMPLE = re.compile(r"^([a-zA-Z_:]+)(\{[^}]*\})? ([0-9.eE+-]+)$")
 HITS = "gptoss_prefix_cache_hit_tokens_total"
 QUERIED = "gptoss_prefix_cache_queried_tokens_total"
+WAITS = "gptoss_prefix_cache_waits_total"
 
 
 def words(count: int, salt: int) -> str:
@@ -63,7 +64,10 @@ async def metrics(client: httpx.AsyncClient, base: str) -> dict[str, float]:
 async def prefix_reuse(
     client: httpx.AsyncClient, base: str, model: str, prompt_words: int
 ) -> dict[str, Any]:
-    """``n: 4`` on one request against 4 requests at once: prompt tokens served from cache."""
+    """``n: 4`` on one request against 4 requests at once: prompt tokens served from cache,
+    admissions that waited for a running prefill, wall time (after one untimed request)."""
+    warm = {"model": model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4}
+    await client.post(f"{base}/v1/chat/completions", json=warm)
     before = await metrics(client, base)
     messages = [{"role": "user", "content": words(prompt_words, 1)}]
     body = {"model": model, "messages": messages, "n": 4, "max_tokens": 16, "seed": 3}
@@ -82,10 +86,12 @@ async def prefix_reuse(
         "prompt_tokens": reply["usage"]["prompt_tokens"],
         "n4": {"wall_s": round(wall_n, 3), "choices": len(reply["choices"]),
                "queried_tokens": middle.get(QUERIED, 0) - before.get(QUERIED, 0),
-               "hit_tokens": middle.get(HITS, 0) - before.get(HITS, 0)},
+               "hit_tokens": middle.get(HITS, 0) - before.get(HITS, 0),
+               "waits": middle.get(WAITS, 0) - before.get(WAITS, 0)},
         "four_requests": {"wall_s": round(wall_4, 3), "codes": [r.status_code for r in codes],
                           "queried_tokens": after.get(QUERIED, 0) - middle.get(QUERIED, 0),
-                          "hit_tokens": after.get(HITS, 0) - middle.get(HITS, 0)},
+                          "hit_tokens": after.get(HITS, 0) - middle.get(HITS, 0),
+                          "waits": after.get(WAITS, 0) - middle.get(WAITS, 0)},
     }  # fmt: skip
 
 
