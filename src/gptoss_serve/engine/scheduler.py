@@ -13,6 +13,9 @@ vLLM v1:
 3. Then, unless a preemption happened this step, waiting requests are admitted in order
    (first come, first served) while seats (``max_num_seqs``), budget and blocks last: the
    prefix cache is looked up first and only the rest of the prompt is prefilled, in chunks.
+   A request whose next prompt blocks a running prefill is computing (most of what it would
+   compute) is passed over, keeping its place, until they are cached (``_waits_for_pending``):
+   requests that arrive together with one prompt compute it once.
 
 A request that could never fit (prompt at or past the context limit, or more blocks than
 the whole pool) is refused by ``add_request``, so the queue never deadlocks: a lone request
@@ -232,10 +235,11 @@ class Scheduler:
             request = self.waiting[0]
             prefix = self.kv.find_cached_prefix(request)
             if self.kv.enable_prefix_caching:
-                if pending is None:
+                if pending is None:  # the running prefills' blocks (decodes have none)
                     pending = set()
                     for running in self.running:
-                        pending.update(_pending_prompt_blocks(running))
+                        if running.num_computed_tokens < running.num_prompt_tokens:
+                            pending.update(_pending_prompt_blocks(running))
                 if _waits_for_pending(request, prefix, pending):
                     deferred.append(self.waiting.popleft())
                     continue
