@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 def fork(prepared: Prepared, n: int, seed_range: int) -> list[Prepared]:
     """``prepared`` and n - 1 copies of it, each with a response object of its own (a deep
     copy: the runs fill their outputs) and, where a seed is set, the seed + its index."""
+    if n > 1 and prepared.lease is not None:  # one conversation lease cannot serve n runs
+        raise ValueError("a generation holding a conversation lease cannot be forked")
     choices = [prepared]
     for index in range(1, n):
         response = prepared.response.model_copy(deep=True, update={"id": new_id("resp")})
