@@ -581,7 +581,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _add_bench_serve_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
-        "bench-serve", help="load a running server with /v1/responses requests; print timings"
+        "bench-serve",
+        help="load a running server with /v1/responses (or chat) requests; print timings",
     )
     # Numbers are checked by BenchServeConfig, so that a bad one is a single line like the
     # other usage errors of this command (an unreachable server, an unknown model).
@@ -606,6 +607,8 @@ def _add_bench_serve_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--continue-with", choices=serve_load.CONTINUATIONS,
                        default="previous_response_id",
                        help="how a dialogue's turns follow each other")  # fmt: skip
+    bench.add_argument("--endpoint", choices=tuple(serve_load.ENDPOINTS), default="responses",
+                       help="/v1/responses, or /v1/chat/completions")  # fmt: skip
     bench.add_argument("--warmup", type=int, default=0,
                        help="requests run first and not counted")  # fmt: skip
     bench.add_argument("--seed", type=int, default=None, help="default: a random one (reported)")
@@ -628,7 +631,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
             stream=args.stream, temperature=args.temperature,
             reasoning_effort=args.reasoning_effort, turns=args.turns,
-            continue_with=args.continue_with, warmup=args.warmup,
+            continue_with=args.continue_with, endpoint=args.endpoint, warmup=args.warmup,
             seed=random.randrange(2**31) if args.seed is None else args.seed,
             timeout_s=args.timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
         )  # fmt: skip

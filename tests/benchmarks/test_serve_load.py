@@ -219,6 +219,27 @@ def test_a_failed_turn_ends_its_dialogue(scripted: tuple[ScriptedEngine, str]) -
     assert [(r.turn, r.is_ok) for r in run.results] == [(1, True), (2, False)]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_chat_endpoint(scripted: tuple[ScriptedEngine, str], stream: bool) -> None:
+    engine, base_url = scripted
+    good = harmony_tokens(REASONING_THEN_FINAL)
+    engine.queue(good, [*good[:3], RuntimeError("the GPU fell over")], good)
+    config = BenchServeConfig(base_url, num_requests=3, concurrency=1, input_len=10,
+                              output_len=64, endpoint="chat", stream=stream)  # fmt: skip
+    run = asyncio.run(run_benchmark(config))
+    first, failed, last = sorted(run.results, key=lambda result: result.index)
+    for result in (first, last):
+        assert result.is_ok and result.status == "completed"
+        assert result.output_tokens == len(good) and result.input_tokens == len(engine.prompts[0])
+        assert (result.ttft_s is not None) == stream and result.latency_s > 0
+    assert first.response_id.startswith("chatcmpl-")
+    assert not failed.is_ok and "the GPU fell over" in failed.error
+    assert all(params.max_tokens == 64 for params in engine.params)
+    assert "user<|message|>" in adapter.decode(engine.prompts[0])  # a chat message
+    table = format_table(summarize(run, date="today", commit=None))
+    assert "chat, " in table.splitlines()[0]
+
+
 def test_usage_errors_are_one_line_and_exit_2(
     scripted: tuple[ScriptedEngine, str], capsys: pytest.CaptureFixture
 ) -> None:
@@ -230,6 +251,7 @@ def test_usage_errors_are_one_line_and_exit_2(
         "input_len must be at least": ["--input-len", "8", "--shared-prefix-len", "5"],
         "output_len must be >= 16": ["--base-url", base_url, "--output-len", "8"],
         "turns must be >= 1": ["--base-url", base_url, "--turns", "0"],
+        "need the Responses endpoint": ["--endpoint", "chat", "--turns", "2"],
     }
     for message, argv in cases.items():
         assert cli.main(["bench-serve", *argv]) == 2

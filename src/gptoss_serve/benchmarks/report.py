@@ -101,6 +101,8 @@ def format_table(summary: dict[str, Any]) -> str:
     settings = summary["settings"]
     rate = settings["request_rate"]
     mode = "streaming" if settings["stream"] else "not streaming"
+    if settings.get("endpoint", "responses") != "responses":
+        mode = f"{settings['endpoint']}, {mode}"
     statuses = ", ".join(f"{name} {count}" for name, count in sorted(summary["statuses"].items()))
     lines = [
         f"bench-serve: model {summary['model']} at {summary['base_url']} ({mode}, "

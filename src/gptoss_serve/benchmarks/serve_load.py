@@ -1,4 +1,5 @@
-"""A load generator for a running server: many ``POST /v1/responses`` at once, timed per request.
+"""A load generator for a running server: many ``POST /v1/responses`` (or, with ``endpoint``
+"chat", ``POST /v1/chat/completions``) at once, timed per request.
 
 Each request sends a prompt of ``input_len`` tokens (see prompts.py) and asks for
 ``max_output_tokens = output_len``; random-weight models never stop on their own, so each
@@ -17,7 +18,10 @@ after the other, each with ``input_len`` new tokens of user text, continuing the
 ``previous_response_id`` (its turns stored) or in a conversation (``/v1/conversations``);
 ``concurrency`` and ``request_rate`` then count dialogues, and the later turns show what the
 server's prefix cache does for a follow-up (``cached_tokens``). Only the client side lives
-here (httpx, no torch): it measures any server that speaks the Responses API.
+here (httpx, no torch): it measures any server that speaks the Responses API, or the Chat
+Completions API (a chat stream's deltas are its chunks with content, ``reasoning_content`` or
+tool-call arguments; its usage comes from the ``include_usage`` chunk; ``length`` counts as
+``incomplete``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "respon
 OK_STATUSES = frozenset({"completed", "incomplete"})
 REASONING_EFFORTS = ("low", "medium", "high")
 CONTINUATIONS = ("previous_response_id", "conversation")  # how a dialogue's turns are linked
+ENDPOINTS = {"responses": "/v1/responses", "chat": "/v1/chat/completions"}
+# A chat completion's finish_reason as the Responses status it corresponds to.
+CHAT_STATUSES = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
 
 
 class BenchError(Exception):
@@ -72,6 +79,7 @@ class BenchServeConfig:
     reasoning_effort: str | None = None  # None: the server's default
     turns: int = 1  # > 1: each request is a dialogue of this many turns
     continue_with: str = "previous_response_id"  # or "conversation": how turns are linked
+    endpoint: str = "responses"  # or "chat" (ENDPOINTS)
     warmup: int = 0  # requests run (and not counted) before the measured ones
     seed: int = 0  # of the prompts and the arrival times
     timeout_s: float = 600.0  # most seconds without a byte from the server
@@ -100,12 +108,20 @@ class BenchServeConfig:
             raise ValueError(f"request_rate must be > 0 (inf: all at once): {self.request_rate}")
         if not 0 <= self.temperature <= 2:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if self.continue_with not in CONTINUATIONS:
-            raise ValueError(f"continue_with must be one of {CONTINUATIONS}")
-        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
-            raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}")
+        self._check_choices()
         if not self.timeout_s > 0:
             raise ValueError(f"timeout must be > 0, got {self.timeout_s}")
+
+    def _check_choices(self) -> None:
+        """The fields that take one of a few values."""
+        if self.continue_with not in CONTINUATIONS:
+            raise ValueError(f"continue_with must be one of {CONTINUATIONS}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {tuple(ENDPOINTS)}")
+        if self.endpoint == "chat" and self.turns > 1:
+            raise ValueError("dialogues (turns > 1) need the Responses endpoint")
+        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
+            raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}")
 
     @property
     def root_url(self) -> str:
@@ -230,6 +246,8 @@ async def resolve_model(client: httpx.AsyncClient, config: BenchServeConfig) -> 
 
 
 def request_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[str, Any]:
+    if config.endpoint == "chat":
+        return _chat_body(config, model, prompt)
     body: dict[str, Any] = {
         "model": model,
         "input": prompt.text,
@@ -242,6 +260,21 @@ def request_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[s
     }
     if config.reasoning_effort is not None:
         body["reasoning"] = {"effort": config.reasoning_effort}
+    return body
+
+
+def _chat_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt.text}],
+        "max_completion_tokens": config.output_len,
+        "temperature": config.temperature,
+        "stream": config.stream,
+    }
+    if config.stream:
+        body["stream_options"] = {"include_usage": True}
+    if config.reasoning_effort is not None:
+        body["reasoning_effort"] = config.reasoning_effort
     return body
 
 
@@ -307,7 +340,8 @@ async def _dialogue(
     results = []
     for turn, prompt in enumerate(prompts, start=1):
         body = {**request_body(config, model, prompt), **link}
-        result = await _send(client, body, index, prompt, phase_start, turn=turn)
+        result = await _send(client, config, body, index=index, prompt=prompt,
+                             phase_start=phase_start, turn=turn)  # fmt: skip
         results.append(result)
         if not result.is_ok:
             break
@@ -323,24 +357,27 @@ def _unsent(index: int, prompt: Prompt, phase_start: float, error: str) -> Reque
 
 async def _send(
     client: httpx.AsyncClient,
+    config: BenchServeConfig,
     body: dict[str, Any],
+    *,
     index: int,
     prompt: Prompt,
     phase_start: float,
-    *,
     turn: int = 1,
 ) -> RequestResult:
     start = time.perf_counter()
     outcome = _Outcome()
     try:
-        async with client.stream("POST", "/v1/responses", json=body) as response:
+        chat = config.endpoint == "chat"
+        async with client.stream("POST", ENDPOINTS[config.endpoint], json=body) as response:
             if response.status_code != 200:
                 outcome.error = _http_error(response.status_code, await response.aread())
             elif body["stream"]:
-                await _read_events(response, start, outcome)
+                await (_read_chunks if chat else _read_events)(response, start, outcome)
             else:
                 body_json = _json_object(await response.aread(), "the response body")
-                outcome.finish(body_json, time.perf_counter() - start)
+                outcome.finish(_as_response(body_json) if chat else body_json,
+                               time.perf_counter() - start)  # fmt: skip
     except (httpx.HTTPError, ValueError) as error:
         # A failed request (no answer, or one that is not JSON) is a result of the benchmark,
         # reported with the others; the run goes on.
@@ -386,6 +423,54 @@ async def _read_events(response: httpx.Response, start: float, outcome: _Outcome
             outcome.error = f"error event: {event.data[:200]}"
     if outcome.response is None and outcome.error is None:
         outcome.error = "the stream ended without a terminal event"
+
+
+async def _read_chunks(response: httpx.Response, start: float, outcome: _Outcome) -> None:
+    """A chat stream: ``data:`` chunks, the usage chunk, ``data: [DONE]``."""
+    decoder = SseDecoder()
+    finish_reason, usage, completion_id = None, None, None
+    async for line in response.aiter_lines():
+        event = decoder.feed(line)
+        if event is None:
+            continue
+        now = time.perf_counter() - start
+        if event.data == "[DONE]":
+            if usage is None or finish_reason is None:
+                outcome.error = "the stream ended without its finish_reason and usage"
+                return
+            completion = {"id": completion_id, "usage": usage,
+                          "choices": [{"finish_reason": finish_reason}]}  # fmt: skip
+            outcome.finish(_as_response(completion), now)
+            return
+        chunk = _json_object(event.data, "a chunk")
+        if "error" in chunk:
+            outcome.error = f"error chunk: {event.data[:200]}"
+            return
+        completion_id = chunk.get("id", completion_id)
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+                outcome.delta_times_s.append(now)
+            finish_reason = choice.get("finish_reason") or finish_reason
+    outcome.error = "the stream ended without data: [DONE]"
+
+
+def _as_response(completion: dict[str, Any]) -> dict[str, Any]:
+    """A ``chat.completion`` (its first choice and usage) in the Responses fields the results
+    read: ``status``, ``usage`` and ``id``."""
+    choices = completion.get("choices") or [{}]
+    reason = choices[0].get("finish_reason")
+    usage = completion.get("usage") or {}
+    return {
+        "id": completion.get("id"),
+        "status": CHAT_STATUSES.get(reason, f"finish_reason {reason}"),
+        "usage": {
+            "input_tokens": usage.get("prompt_tokens", 0),
+            "output_tokens": usage.get("completion_tokens", 0),
+            "input_tokens_details": usage.get("prompt_tokens_details") or {},
+        },
+    }
 
 
 def _json_object(value: str | bytes | Any, what: str) -> dict[str, Any]:
