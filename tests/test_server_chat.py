@@ -5,6 +5,7 @@ chunk is validated against the SDK's own types."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,27 @@ def test_n_choices_each_a_generation_of_their_own(served) -> None:
                               json={"model": "demo", "messages": HI, "n": 2}), 500)  # fmt: skip
     assert "GPU gone" in error["message"]
     assert len(engine.aborted) - num_aborted == 2  # the failed one and the one it stopped
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_stops_every_choice(served, stream: bool) -> None:
+    url, _, engine = served
+    engine.last_script = harmony_tokens("<|channel|>analysis<|message|>" + "word " * 400)
+    engine.delay = 0.01  # ~4 s of tokens a choice
+    body = {"model": "demo", "messages": HI, "n": 3, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            for count, _ in enumerate(response.iter_lines()):
+                if count > 20:
+                    break
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/chat/completions", json=body, timeout=0.3)
+    for _ in range(100):  # 2 s: well before the scripts' end
+        if len(engine.aborted) == 3:
+            break
+        time.sleep(0.02)
+    assert len(engine.aborted) == 3
 
 
 @pytest.mark.parametrize(
