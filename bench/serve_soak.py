@@ -21,13 +21,13 @@ import json
 import logging
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger("bench.serve_soak")
 
@@ -40,7 +40,6 @@ TOOLS = [{"type": "function", "name": "f", "strict": True,
 KINDS = ("chat_n", "chat_stream_n", "chat_stream_cut", "chat_stop", "responses_stream_cut",
          "timeout", "background_cancel", "json_schema", "tool_required", "long",
          "chain")  # fmt: skip
-_SAMPLE = re.compile(r"^([a-zA-Z_:]+)(\{[^}]*\})? ([0-9.eE+-]+)$")
 HITS = "gptoss_prefix_cache_hit_tokens_total"
 QUERIED = "gptoss_prefix_cache_queried_tokens_total"
 WAITS = "gptoss_prefix_cache_waits_total"
@@ -52,13 +51,20 @@ def words(count: int, salt: int) -> str:
 
 
 async def metrics(client: httpx.AsyncClient, base: str) -> dict[str, float]:
-    """The Prometheus samples of ``/metrics`` by name (with labels)."""
+    """The Prometheus samples of ``/metrics`` by name, with their labels as the text shows them
+    (``gptoss_kv_cache_usage_ratio{layers="full"}``)."""
     found = {}
-    for line in (await client.get(f"{base}/metrics")).text.splitlines():
-        sample = _SAMPLE.match(line)
-        if sample is not None:
-            found[sample.group(1) + (sample.group(2) or "")] = float(sample.group(3))
+    for family in text_string_to_metric_families((await client.get(f"{base}/metrics")).text):
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sample.labels.items())
+            found[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return found
+
+
+def _cache_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The prefix-cache counters' growth between two ``metrics`` readings."""
+    names = {"queried_tokens": QUERIED, "hit_tokens": HITS, "waits": WAITS}
+    return {key: after.get(name, 0) - before.get(name, 0) for key, name in names.items()}
 
 
 async def prefix_reuse(
@@ -85,13 +91,9 @@ async def prefix_reuse(
     return {
         "prompt_tokens": reply["usage"]["prompt_tokens"],
         "n4": {"wall_s": round(wall_n, 3), "choices": len(reply["choices"]),
-               "queried_tokens": middle.get(QUERIED, 0) - before.get(QUERIED, 0),
-               "hit_tokens": middle.get(HITS, 0) - before.get(HITS, 0),
-               "waits": middle.get(WAITS, 0) - before.get(WAITS, 0)},
+               **_cache_counts(before, middle)},
         "four_requests": {"wall_s": round(wall_4, 3), "codes": [r.status_code for r in codes],
-                          "queried_tokens": after.get(QUERIED, 0) - middle.get(QUERIED, 0),
-                          "hit_tokens": after.get(HITS, 0) - middle.get(HITS, 0),
-                          "waits": after.get(WAITS, 0) - middle.get(WAITS, 0)},
+                          **_cache_counts(middle, after)},
     }  # fmt: skip
 
 
