@@ -4,26 +4,17 @@ broke once, unnoticed, when AsyncEngine began reading the core's ``stats()``). C
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
-from pathlib import Path
+
+from bench_scripts import load_bench_script
 
 from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.async_engine import AsyncEngine
 from gptoss_serve.engine.client import EngineInfo
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _server_overhead():
-    spec = importlib.util.spec_from_file_location("server_overhead", BENCH / "server_overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_the_paced_core_runs_requests_through_the_async_engine() -> None:
-    bench = _server_overhead()
+    bench = load_bench_script("server_overhead")
     script = bench.reply_tokens(40)
     core = bench.PacedCore(0.001, script)
     engine = AsyncEngine(lambda: core, EngineInfo("paced", 4096, 201088, int(time.time())))

@@ -3,9 +3,10 @@ end without a 5xx or a broken stream, the grammars hold, and the server is idle 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from bench_scripts import load_bench_script
 
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.cpu_engine import CpuEngine
@@ -14,23 +15,15 @@ from gptoss_serve.server.app import create_app
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import running_server
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _serve_soak():
-    spec = importlib.util.spec_from_file_location("serve_soak", BENCH / "serve_soak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_a_short_soak_of_the_demo_server(demo_dir: Path, tmp_path: Path) -> None:
     engine = CpuEngine(load_model(demo_dir), "demo")
     app = create_app(engine, ResponseStore(str(tmp_path / "store.sqlite3")), ServerConfig())
     out = tmp_path / "soak.json"
     with running_server(app) as url:
-        status = _serve_soak().main(["--base-url", url, "--seconds", "4", "--workers", "3",
-                                     "--prompt-words", "60", "--out", str(out)])  # fmt: skip
+        argv = ["--base-url", url, "--seconds", "4", "--workers", "3", "--prompt-words", "60",
+                "--out", str(out)]  # fmt: skip
+        status = load_bench_script("serve_soak").main(argv)
     result = json.loads(out.read_text())
     assert status == 0 and result["problems"] == []
     assert result["model"] == "demo" and result["requests"] > 0
