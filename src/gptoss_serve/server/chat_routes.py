@@ -71,9 +71,9 @@ def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         prepared = await _prepare(body, services)
         choices = fork(prepared, body.n or 1, SEED_RANGE)
-        head = ChatStreamState(model=prepared.response.model)
-        states = [ChatStreamState(head.model, head.id, head.created, index)
-                  for index in range(len(choices))]  # fmt: skip
+        first = ChatStreamState(model=prepared.response.model)  # the completion's id and time
+        states = [first, *(ChatStreamState(first.model, first.id, first.created, index)
+                           for index in range(1, len(choices)))]  # fmt: skip
         if body.stop:  # a choice's generation ends once its answer's text holds one
             stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
             for state, choice in zip(states, choices, strict=True):
@@ -86,7 +86,7 @@ def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
             include = body.stream_options is not None and bool(body.stream_options.include_usage)
             return sse_response(_sse(states, events, responses if include else None))
         if not await unless_client_leaves(_drain(states, events), request):
-            logger.info("chat completion %s: the client left; generation stopped", head.id)
+            logger.info("chat completion %s: the client left; generation stopped", first.id)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         dumped = [response.dump() for response in responses]
         for response in dumped:
@@ -97,7 +97,7 @@ def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
         logprobs = bool(body.logprobs)
         made = [completion_choice(state, response, logprobs)
                 for state, response in zip(states, dumped, strict=True)]  # fmt: skip
-        return JSONResponse(completion(head, made, dumped))
+        return JSONResponse(completion(first, made, dumped))
 
 
 async def _prepare(body: ChatCompletionRequest, services: ChatServices) -> Prepared:
