@@ -54,6 +54,12 @@ TOOLS = [
     }
 ]
 
+# The same tools as Chat Completions declares them.
+CHAT_TOOLS = [
+    {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+    for tool in TOOLS
+]
+
 
 def harmony_tokens(text: str) -> list[int]:
     """Completion text with special tokens spelled out -> token ids."""

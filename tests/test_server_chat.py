@@ -23,19 +23,15 @@ from gptoss_serve.server.app import create_app
 from gptoss_serve.server.chat_routes import SEED_RANGE
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import (
+    CHAT_TOOLS,
     PREAMBLE_AND_CALL,
     REASONING_THEN_FINAL,
-    TOOLS,
     ScriptedEngine,
     harmony_tokens,
     running_server,
     scripted_server,
 )
 
-CHAT_TOOLS = [
-    {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-    for tool in TOOLS
-]
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -279,6 +275,11 @@ def test_a_client_that_leaves_stops_every_choice(served, stream: bool) -> None:
                               "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
          "response_format.json_schema.schema"),
         ({"functions": []}, "functions"),
+        ({"messages": [*HI, {"role": "assistant", "content": "x", "audio": {"id": "a"}}]},
+         "messages[1].audio"),
+        ({"messages": [*HI, {"role": "assistant", "content": "x",
+                             "function_call": {"name": "f", "arguments": "{}"}}]},
+         "messages[1].function_call"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_chat_field(served, fields: dict[str, Any], param: str) -> None:

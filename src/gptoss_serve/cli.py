@@ -205,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                        default=ServerConfig.render_processes,
                        help="worker processes that render large prompts off the event loop "
                        "(0: in the server's process)")  # fmt: skip
+    serve.add_argument("--replay-cache-tokens", type=_non_negative_int,
+                       default=ServerConfig.replay_cache_tokens,
+                       help="generated tokens of recent assistant messages kept, so that a "
+                       "prompt sending them back gets them as the model generated them and "
+                       "the prefix cache reaches past a tool loop's calls (0: off)")  # fmt: skip
     _add_access_args(serve)
     serve.add_argument("--max-concurrent", type=_positive_int, default=8,
                        help="requests decoded in turn at once; more wait in a queue")  # fmt: skip
@@ -526,7 +531,8 @@ def run_serve(args: argparse.Namespace) -> int:
         reasoning_budget_medium=args.reasoning_budget_medium,
         reasoning_budget_high=args.reasoning_budget_high,
         max_request_bytes=args.max_request_mb * 2**20, render_processes=args.render_processes,
-        api_keys=keys, model_aliases=tuple(aliases), allowed_origins=origins,
+        replay_cache_tokens=args.replay_cache_tokens, api_keys=keys,
+        model_aliases=tuple(aliases), allowed_origins=origins,
     )  # fmt: skip
     use_gpu = args.engine == "gpu" or (args.engine == "auto" and torch.cuda.is_available())
     if use_gpu:
@@ -607,6 +613,9 @@ def _add_bench_serve_parser(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--continue-with", choices=serve_load.CONTINUATIONS,
                        default="previous_response_id",
                        help="how a dialogue's turns follow each other")  # fmt: skip
+    bench.add_argument("--tool-loop", action="store_true",
+                       help="each turn must call a tool (tool_choice: required); the next turn "
+                       "sends its output, --input-len tokens: an agent's loop")  # fmt: skip
     bench.add_argument("--endpoint", choices=tuple(serve_load.ENDPOINTS), default="responses",
                        help="/v1/responses, or /v1/chat/completions")  # fmt: skip
     bench.add_argument("--warmup", type=int, default=0,
@@ -631,7 +640,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
             stream=args.stream, temperature=args.temperature,
             reasoning_effort=args.reasoning_effort, turns=args.turns,
-            continue_with=args.continue_with, endpoint=args.endpoint, warmup=args.warmup,
+            continue_with=args.continue_with, tool_loop=args.tool_loop,
+            endpoint=args.endpoint, warmup=args.warmup,
             seed=random.randrange(2**31) if args.seed is None else args.seed,
             timeout_s=args.timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
         )  # fmt: skip

@@ -372,12 +372,18 @@ class ServerConfig:
     model_aliases: tuple[str, ...] = ()
     # Browser origins answered with CORS headers (server/cors.py; none: no CORS, "*": any).
     allowed_origins: tuple[str, ...] = ()
+    # Generated tokens of the model's recent messages kept (4 bytes each), which the prompts
+    # that send those messages back get as generated (harmony/replay.py: the prefix cache
+    # then reaches past a tool loop's calls); 0: prompts are rendered only.
+    replay_cache_tokens: int = 1 << 22
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
         if self.render_processes < 0:
             raise ValueError("render_processes must be >= 0")
+        if self.replay_cache_tokens < 0:
+            raise ValueError("replay_cache_tokens must be >= 0")
         if self.store_retention_s < 0 or not self.store_prune_interval_s > 0:
             raise ValueError("store_retention_s must be >= 0, store_prune_interval_s > 0")
         for alias in self.model_aliases:

@@ -4,6 +4,7 @@ against real loopback servers (a scripted engine, and the demo model through the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -219,6 +220,40 @@ def test_a_failed_turn_ends_its_dialogue(scripted: tuple[ScriptedEngine, str]) -
     assert [(r.turn, r.is_ok) for r in run.results] == [(1, True), (2, False)]
 
 
+LOOKUP_CALL = (
+    "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.lookup <|constrain|>json<|message|>{"word": "alpha"}<|call|>'
+)
+
+
+def test_a_tool_loop_sends_each_calls_output(scripted: tuple[ScriptedEngine, str]) -> None:
+    engine, base_url = scripted
+    engine.enforce_grammar = True  # tool_choice required: the call is what the grammar allows
+    call = harmony_tokens(LOOKUP_CALL)
+    engine.queue(call, call, call, call)
+    config = BenchServeConfig(base_url, num_requests=2, concurrency=1, input_len=12,
+                              output_len=64, turns=2, tool_loop=True)  # fmt: skip
+    run = asyncio.run(run_benchmark(config))
+    assert [(r.index, r.turn, r.is_ok) for r in run.results] == [
+        (0, 1, True), (0, 2, True), (1, 1, True), (1, 2, True)
+    ]  # fmt: skip
+    assert all(result.call_id.startswith("call_") for result in run.results)
+    assert all(params.grammar is not None for params in engine.params)
+    second = adapter.decode(engine.prompts[1])  # the call's output is the turn's text
+    assert "<|start|>functions.lookup to=assistant<|channel|>commentary<|message|>" in second
+    assert engine.prompts[1][: len(engine.prompts[0]) + len(call)] == engine.prompts[0] + call
+    table = format_table(summarize(run, date="today", commit=None))
+    assert "a tool loop (each turn a call, the next its output) of 2 turns" in table
+    config = dataclasses.replace(config, num_requests=1, turns=3)  # the 2nd turn answers
+    engine.queue(call, harmony_tokens(REASONING_THEN_FINAL))
+    engine.enforce_grammar = False
+    run = asyncio.run(run_benchmark(config))
+    assert [(r.turn, r.error) for r in run.results] == [
+        (1, None),
+        (2, "turn 2 (completed) made no call"),
+    ]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_the_chat_endpoint(scripted: tuple[ScriptedEngine, str], stream: bool) -> None:
     engine, base_url = scripted
@@ -252,6 +287,7 @@ def test_usage_errors_are_one_line_and_exit_2(
         "output_len must be >= 16": ["--base-url", base_url, "--output-len", "8"],
         "turns must be >= 1": ["--base-url", base_url, "--turns", "0"],
         "need the Responses endpoint": ["--endpoint", "chat", "--turns", "2"],
+        "tool loops need the Responses": ["--endpoint", "chat", "--tool-loop"],
     }
     for message, argv in cases.items():
         assert cli.main(["bench-serve", *argv]) == 2

@@ -143,9 +143,11 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def _dialogue_line(settings: dict[str, Any]) -> list[str]:
+    loop = settings.get("tool_loop")
     if settings["turns"] == 1:
-        return []
-    return [f"  each request a dialogue of {settings['turns']} turns, continued by "
+        return ["  each request a tool call (tool_choice: required)"] if loop else []
+    kind = "tool loop (each turn a call, the next its output)" if loop else "dialogue"
+    return [f"  each request a {kind} of {settings['turns']} turns, continued by "
             f"{settings['continue_with']}"]  # fmt: skip
 
 

@@ -17,7 +17,10 @@ Poisson process. With ``turns`` > 1 each request is a dialogue instead: that man
 after the other, each with ``input_len`` new tokens of user text, continuing the turn before by
 ``previous_response_id`` (its turns stored) or in a conversation (``/v1/conversations``);
 ``concurrency`` and ``request_rate`` then count dialogues, and the later turns show what the
-server's prefix cache does for a follow-up (``cached_tokens``). Only the client side lives
+server's prefix cache does for a follow-up (``cached_tokens``). With ``tool_loop`` each turn
+must call the benchmark's tool (``tool_choice: required``, which random weights obey only
+through the server's constrained decoding) and the next turn sends that call's output, the
+``input_len`` tokens of text: an agent's loop. Only the client side lives
 here (httpx, no torch): it measures any server that speaks the Responses API, or the Chat
 Completions API (a chat stream's deltas are its chunks with content, ``reasoning_content`` or
 tool-call arguments; its usage comes from the ``include_usage`` chunk; ``length`` counts as
@@ -27,6 +30,7 @@ tool-call arguments; its usage comes from the ``include_usage`` chunk; ``length`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -58,6 +62,20 @@ CONTINUATIONS = ("previous_response_id", "conversation")  # how a dialogue's tur
 ENDPOINTS = {"responses": "/v1/responses", "chat": "/v1/chat/completions"}
 # A chat completion's finish_reason as the Responses status it corresponds to.
 CHAT_STATUSES = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
+# What a tool loop's turns must call (its arguments one of three words: a short JSON, so that
+# the call ends well within a turn's output tokens whatever the model's weights).
+LOOP_TOOL = {
+    "type": "function",
+    "name": "lookup",
+    "description": "Looks a word up and returns what is known about it.",
+    "parameters": {
+        "type": "object",
+        "properties": {"word": {"type": "string", "enum": ["alpha", "beta", "gamma"]}},
+        "required": ["word"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
 
 
 class BenchError(Exception):
@@ -79,6 +97,7 @@ class BenchServeConfig:
     reasoning_effort: str | None = None  # None: the server's default
     turns: int = 1  # > 1: each request is a dialogue of this many turns
     continue_with: str = "previous_response_id"  # or "conversation": how turns are linked
+    tool_loop: bool = False  # each turn calls LOOP_TOOL; the next one sends the call's output
     endpoint: str = "responses"  # or "chat" (ENDPOINTS)
     warmup: int = 0  # requests run (and not counted) before the measured ones
     seed: int = 0  # of the prompts and the arrival times
@@ -118,8 +137,8 @@ class BenchServeConfig:
             raise ValueError(f"continue_with must be one of {CONTINUATIONS}")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {tuple(ENDPOINTS)}")
-        if self.endpoint == "chat" and self.turns > 1:
-            raise ValueError("dialogues (turns > 1) need the Responses endpoint")
+        if self.endpoint == "chat" and (self.turns > 1 or self.tool_loop):
+            raise ValueError("dialogues (turns > 1) and tool loops need the Responses endpoint")
         if self.reasoning_effort not in (None, *REASONING_EFFORTS):
             raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}")
 
@@ -152,6 +171,7 @@ class RequestResult:
     turn: int = 1  # its place in its dialogue (1: the first, or a single request)
     cached_tokens: int = 0  # usage: of input_tokens, those the server's prefix cache served
     response_id: str | None = None  # what the next turn continues
+    call_id: str | None = None  # the output's last function call's (a tool loop's next turn)
 
     @property
     def is_ok(self) -> bool:
@@ -260,6 +280,8 @@ def request_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[s
     }
     if config.reasoning_effort is not None:
         body["reasoning"] = {"effort": config.reasoning_effort}
+    if config.tool_loop:
+        body["tools"], body["tool_choice"] = [LOOP_TOOL], "required"
     return body
 
 
@@ -337,11 +359,18 @@ async def _dialogue(
             error = _http_error(created.status_code, created.content)
             return [_unsent(index, prompts[0], phase_start, f"conversation: {error}")]
         link = {"conversation": created.json()["id"]}
-    results = []
+    results: list[RequestResult] = []
     for turn, prompt in enumerate(prompts, start=1):
         body = {**request_body(config, model, prompt), **link}
+        if config.tool_loop and results:  # the text is the output of the call before
+            output = {"type": "function_call_output", "call_id": results[-1].call_id,
+                      "output": prompt.text}  # fmt: skip
+            body["input"] = [output]
         result = await _send(client, config, body, index=index, prompt=prompt,
                              phase_start=phase_start, turn=turn)  # fmt: skip
+        if config.tool_loop and result.is_ok and result.call_id is None:
+            status = result.status
+            result = dataclasses.replace(result, error=f"turn {turn} ({status}) made no call")
         results.append(result)
         if not result.is_ok:
             break
@@ -401,7 +430,14 @@ async def _send(
         turn=turn,
         cached_tokens=details.get("cached_tokens", 0),
         response_id=outcome.response.get("id") if outcome.response else None,
+        call_id=_last_call_id(outcome.response),
     )
+
+
+def _last_call_id(response: dict[str, Any] | None) -> str | None:
+    calls = [item for item in (response or {}).get("output") or () if isinstance(item, dict)
+             and item.get("type") == "function_call"]  # fmt: skip
+    return calls[-1].get("call_id") if calls else None
 
 
 async def _read_events(response: httpx.Response, start: float, outcome: _Outcome) -> None:

@@ -201,6 +201,12 @@ def render_completion_prompt(
     return encoding().render_conversation_for_completion(conversation, oh.Role.ASSISTANT, config)
 
 
+def render_message(spec: MessageSpec) -> list[int]:
+    """One history message's tokens, exactly as ``render_completion_prompt`` renders it
+    among the others (from its ``<|start|>`` to its ``<|end|>`` or ``<|call|>``)."""
+    return encoding().render(_history_message(spec))
+
+
 def _system_message(reasoning_effort: str, today: dt.date, channels: Sequence[str]) -> oh.Message:
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}")

@@ -111,6 +111,11 @@ class HarmonyStreamParser:
             return self._message.channel
         return self._header.name if self._phase is _Phase.HEADER else None
 
+    @property
+    def awaits_start(self) -> bool:
+        """Whether the parser is between messages: a ``<|start|>`` fed now begins one."""
+        return self._phase is _Phase.EXPECT_START
+
     def feed(self, token_id: int) -> list[ParseEvent]:
         """Process one generated token; return the events it completes."""
         self.fed_content = False

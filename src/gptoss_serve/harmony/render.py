@@ -49,6 +49,12 @@ def render_prompt(request: RenderRequest) -> list[int]:
     return token_ids
 
 
+def render_item(item: Item) -> list[int]:
+    """The tokens of one history item as ``render_prompt`` renders it in a prompt (its own
+    message: the same tokens whatever the items around it)."""
+    return adapter.render_message(_message_spec(item))
+
+
 def _instructions(request: RenderRequest) -> str | None:
     """``request.instructions`` then the system/developer messages' texts; None if there are
     none (an empty string means system/developer messages exist, all empty: the developer

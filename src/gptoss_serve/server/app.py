@@ -15,6 +15,7 @@ from gptoss_serve import __version__
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
 from gptoss_serve.gc_heap import frozen_startup_heap
+from gptoss_serve.harmony.replay import GeneratedMessages
 from gptoss_serve.server import constraints
 from gptoss_serve.server.api_keys import ApiKeyAuth
 from gptoss_serve.server.background import BackgroundRuns
@@ -69,6 +70,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     runs = BackgroundRuns(engine, store, metrics)
     renderers = RenderWorkers(config.render_processes)
     locks = ConversationLocks()
+    replays = GeneratedMessages(config.replay_cache_tokens)  # harmony/replay.py
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
     _add_middleware(app, config)
@@ -80,7 +82,9 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
               responses={**_ERRORS, 413: {"model": ErrorResponse}, **_SSE_DOC})  # fmt: skip
     async def create_response(body: CreateResponseRequest, request: Request):
         _check_previous_ended(runs, body.previous_response_id)
-        prepared = await prepare(body, engine, store, config, renderers, locks=locks)
+        prepared = await prepare(
+            body, engine, store, config, renderers, locks=locks, replays=replays
+        )
         if body.background:  # runs on without this request; its events are kept
             background = runs.start(prepared)
             if body.stream:
@@ -98,7 +102,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     async def count_tokens(body: InputTokenCountRequest) -> InputTokenCount:
         request = body.as_create_request(engine.info.model_name)
         _check_previous_ended(runs, request.previous_response_id)
-        count = await count_input_tokens(request, engine, store, config, renderers)
+        count = await count_input_tokens(request, engine, store, config, renderers, replays=replays)
         return InputTokenCount(input_tokens=count)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
@@ -127,7 +131,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
 
     _add_input_items_route(app, store)
     add_conversation_routes(app, store, locks)
-    add_chat_routes(app, ChatServices(engine, store, config, renderers, locks, metrics))
+    add_chat_routes(app, ChatServices(engine, store, config, renderers, locks, metrics, replays))
     _add_service_routes(app, models, metrics, engine)
     return app
 

@@ -86,6 +86,12 @@ class AssistantMessage(StrictModel):
     # stays in the prompt while a tool loop goes on (Harmony drops it after a final answer).
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # The rest of the SDK's ChatCompletionMessage, so that a returned message goes back as it
+    # is (``messages.append(completion.choices[0].message)``): its url citations (this server
+    # makes none) change nothing; audio and the legacy function_call only as null.
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: None = None
 
 
 class ToolMessage(StrictModel):
@@ -303,7 +309,10 @@ def _add_message(translation: Translation, message: Any, path: str) -> None:
             add({"type": "reasoning", "summary": [],
                  "content": [{"type": "reasoning_text", "text": reasoning}]})  # fmt: skip
         text = text_of(message.content) or (message.refusal or "")
-        if text or not message.tool_calls:
+        if message.tool_calls and text:  # the text before calls: a preamble (commentary)
+            add({"type": "message", "role": "assistant", "content": text,
+                 "phase": "commentary"})  # fmt: skip
+        elif text or not message.tool_calls:
             add({"type": "message", "role": "assistant", "content": text})
         for number, call in enumerate(message.tool_calls or ()):
             add({"type": "function_call", "call_id": call.id, "name": call.function.name,

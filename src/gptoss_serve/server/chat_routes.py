@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
+from gptoss_serve.harmony.replay import GeneratedMessages
 from gptoss_serve.server.chat_choices import fork, merged
 from gptoss_serve.server.chat_events import (
     ChatStreamState,
@@ -64,6 +65,7 @@ class ChatServices:
     renderers: RenderWorkers
     locks: ConversationLocks
     metrics: ServerMetrics
+    replays: GeneratedMessages
 
 
 def add_chat_routes(app: FastAPI, services: ChatServices) -> None:
@@ -107,7 +109,8 @@ async def _prepare(body: ChatCompletionRequest, services: ChatServices) -> Prepa
     try:
         request = _responses_request(translation)
         prepared = await prepare(request, services.engine, services.store, services.config,
-                                 services.renderers, locks=services.locks)  # fmt: skip
+                                 services.renderers, locks=services.locks,
+                                 replays=services.replays)  # fmt: skip
     except APIError as error:
         param = chat_param(error.param, translation, name)
         if error.param and param != error.param:  # the message quotes it too, at times

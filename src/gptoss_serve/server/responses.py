@@ -26,6 +26,7 @@ from gptoss_serve.harmony.conversation import (
     ResponseFormat,
 )
 from gptoss_serve.harmony.parse import HarmonyStreamParser
+from gptoss_serve.harmony.replay import GeneratedMessages
 from gptoss_serve.server import context_fit, events
 from gptoss_serve.server.constraints import constraint_grammar, reasoning_budget
 from gptoss_serve.server.conversation import (
@@ -37,6 +38,7 @@ from gptoss_serve.server.conversation import (
 from gptoss_serve.server.conversation_locks import ConversationLease, ConversationLocks
 from gptoss_serve.server.conversation_store import ConversationItem
 from gptoss_serve.server.errors import APIError, bad_request, not_found
+from gptoss_serve.server.generated_tokens import GeneratedTokens
 from gptoss_serve.server.logprobs import logprob_entry
 from gptoss_serve.server.metrics import RequestTimer, ServerMetrics
 from gptoss_serve.server.objects import (
@@ -87,6 +89,9 @@ class Prepared:
     # Asked after each token's events are consumed: True ends the generation there, as
     # completed (the chat API's stop sequences, which its layer matches in the text).
     stop_when: Callable[[], bool] | None = None
+    # Where the messages this response completes are kept for the prompts that replay them
+    # (harmony/replay.py); None: not kept.
+    replays: GeneratedMessages | None = None
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -117,23 +122,27 @@ async def prepare(
     renderers: RenderWorkers,
     *,
     locks: ConversationLocks,
+    replays: GeneratedMessages,
 ) -> Prepared:
     """Check everything a client could get wrong; build the prompt. Raises APIError. A large
     input's tokens are counted in a worker thread, in short runs between which the event loop
     gets the GIL (context_fit.py); a prompt of over 32k characters is rendered in a worker
     process, since the renderer holds the GIL throughout (render_workers.py). A conversation
     is leased before its items are read (so no other response adds to it meanwhile) until the
-    response ends: ``run`` releases it."""
+    response ends: ``run`` releases it. The assistant messages the model generated, in
+    ``replays``, go into the prompt as it generated them (harmony/replay.py); the messages this
+    response completes are kept there when it ends."""
     conversation_id = request.conversation_id
     lease = None if conversation_id is None else locks.acquire(conversation_id)
     try:
         draft = await _begin(request, engine, store, config)
-        prepared = finish(draft, config, await _fit(draft, renderers))
+        prepared = finish(draft, config, await _fit(draft, renderers, replays))
     except BaseException:
         if lease is not None:
             lease.release()
         raise
     prepared.lease = lease
+    prepared.replays = replays
     return prepared
 
 
@@ -143,10 +152,13 @@ async def count_input_tokens(
     store: ResponseStore,
     config: ServerConfig,
     renderers: RenderWorkers,
+    *,
+    replays: GeneratedMessages,
 ) -> int:
     """The tokens of the prompt ``request`` makes (after ``truncation: auto`` dropped what it
     must): ``POST /v1/responses/input_tokens``. Raises APIError as ``prepare`` does."""
-    prompt_ids, _ = await _fit(await _begin(request, engine, store, config), renderers)
+    draft = await _begin(request, engine, store, config)
+    prompt_ids, _ = await _fit(draft, renderers, replays)
     return len(prompt_ids)
 
 
@@ -161,14 +173,20 @@ async def _begin(
     return await asyncio.to_thread(begin, request, engine, store, config)
 
 
-async def _fit(draft: Draft, renderers: RenderWorkers) -> tuple[list[int], RenderRequest]:
-    """The draft's prompt fitted to the context (``context_fit``)."""
+async def _fit(
+    draft: Draft, renderers: RenderWorkers, replays: GeneratedMessages
+) -> tuple[list[int], RenderRequest]:
+    """The draft's prompt fitted to the context (``context_fit``), with the generated
+    messages ``replays`` knows replayed (unless that would leave no room for an output
+    token: the generated tokens of a message may be more than its render's)."""
     render, truncation, context = draft.render, draft.request.truncation, draft.context
     if context_fit.large_input(render.items):
         bounds = await asyncio.to_thread(context_fit.token_bounds, render.items, context)
     else:
         bounds = context_fit.token_bounds(render.items, context)
-    return await renderers.fit_context(render, truncation, context, bounds)
+    prompt_ids, render = await renderers.fit_context(render, truncation, context, bounds)
+    replayed = replays.replay(prompt_ids)
+    return (replayed if len(replayed) < context else prompt_ids), render
 
 
 def begin(
@@ -437,6 +455,7 @@ async def _run(
     for event in events.start(state):
         yield event
     parser = HarmonyStreamParser()
+    generated = GeneratedTokens()
     num_output = num_reasoning = 0
     last_token = None
     stopped = False
@@ -451,7 +470,10 @@ async def _run(
                 # A token is reasoning if it belongs to an analysis message: its header, its
                 # text or the <|end|> that closes it (after which the channel reads None).
                 was_analysis = parser.current_channel == "analysis"
+                began = parser.awaits_start
+                open_item = None if state.current is None else state.current.output_index
                 parsed = parser.feed(token)
+                generated.add(token, began, open_item, parsed)
                 if was_analysis or parser.current_channel == "analysis":
                     num_reasoning += 1
                 if (isinstance(token, SampledToken) and parser.fed_content
@@ -485,10 +507,18 @@ async def _run(
     # Off the event loop: a long conversation is megabytes of JSON, and SQLite's commit waits
     # for the disk; every other stream would stall meanwhile. Awaited before the terminal
     # event, so a client that has it finds the response stored.
-    await asyncio.to_thread(store_response, prepared, store)
+    await asyncio.to_thread(_keep, prepared, store, generated)
     timer.end(prepared.response.status, len(prepared.prompt_ids), cached)
     for event in final_events:
         yield event
+
+
+def _keep(prepared: Prepared, store: ResponseStore, generated: GeneratedTokens) -> None:
+    """The response's generated messages kept for the prompts that replay them, then the
+    response stored (``store_response``)."""
+    if prepared.replays is not None:
+        generated.remember(prepared.replays, prepared.response.output)
+    store_response(prepared, store)
 
 
 def _conclude(prepared: Prepared, last_token: int | None, stopped: bool = False) -> None:

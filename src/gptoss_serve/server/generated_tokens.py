@@ -1,0 +1,64 @@
+"""A response's generated tokens, and which output item each message it completed became:
+what ``harmony.replay.GeneratedMessages`` keeps when the response ends, so that the next
+request of a tool loop or a dialogue replays them (see that module)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from gptoss_serve.harmony import adapter
+from gptoss_serve.harmony.conversation import MessageDone, ParseEvent
+from gptoss_serve.harmony.render import render_item
+from gptoss_serve.harmony.replay import GeneratedMessages
+from gptoss_serve.server.conversation import output_to_items
+
+logger = logging.getLogger(__name__)
+
+# A longer message is not kept: keying it renders its text again (openai-harmony's encode holds
+# the GIL, ~0.2 s a MB), and so long a message is rarely followed by a turn that needs it.
+MAX_KEPT_TOKENS = 1 << 14
+
+
+class GeneratedTokens:
+    """Fed every generated token with the parse events it gave; a message counts once a
+    terminator (``<|end|>``, ``<|return|>``, ``<|call|>``) closed it: one cut off, broken or
+    stopped mid-way is not kept."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.messages: list[tuple[int, int, int]] = []  # (output index, first token, end)
+        self._start = 0  # where the message being generated began
+        self._start_id = adapter.special_token_id("<|start|>")
+        self._end_ids = frozenset(
+            adapter.special_token_id(text) for text in ("<|end|>", "<|return|>", "<|call|>")
+        )
+
+    def add(
+        self, token_id: int, began: bool, open_item: int | None, parsed: Sequence[ParseEvent]
+    ) -> None:
+        """``began``: the parser awaited a ``<|start|>`` before this token (``awaits_start``);
+        ``open_item``: the output index of the item open before it (None: none)."""
+        if began and token_id == self._start_id:
+            self._start = len(self.token_ids)
+        self.token_ids.append(token_id)
+        closed = any(isinstance(event, MessageDone) for event in parsed)
+        if closed and open_item is not None and token_id in self._end_ids:
+            self.messages.append((open_item, self._start, len(self.token_ids)))
+
+    def remember(self, messages: GeneratedMessages, output: Sequence[Any]) -> int:
+        """Give ``messages`` each completed message's tokens, keyed by the render of the item
+        it became (``output``: the response's output objects). Returns how many it kept."""
+        if not messages.max_tokens:
+            return 0
+        kept = 0
+        for index, first, end in self.messages:
+            if end - first > MAX_KEPT_TOKENS:
+                continue
+            items = output_to_items([output[index].model_dump(mode="json", by_alias=True)])
+            if len(items) != 1:
+                logger.warning("output item %d did not convert to one history item", index)
+                continue
+            kept += messages.remember(render_item(items[0]), self.token_ids[first:end])
+        return kept
