@@ -40,93 +40,121 @@ GENERATED_CALL = tokens(
     '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
     '<|message|>{"city": "Oslo"}<|call|>'
 )  # fmt: skip
+# The reasoning before it, in other tokens than its text's canonical encoding.
+GENERATED_THINK = [*tokens("<|channel|>analysis<|message|>Need wea"), *tokens("ther.<|end|>")]
+ASK = Message("user", "Weather in Oslo?")
+OUTPUT = FunctionCallOutput("call_1", "get_weather", "sunny")
+
+
+def respond(
+    messages: GeneratedMessages, before: tuple[Item, ...], output: list[tuple[Item, list[int]]]
+) -> tuple[list[int], list[int]]:
+    """A response to the prompt of ``before`` that generated ``output`` (items and their
+    tokens), kept: (its prompt, its generated tokens)."""
+    prompt_ids = messages.replay(prompt(*before))
+    generated, entries = [], []
+    for item, item_tokens in output:
+        entries.append((len(generated), len(generated) + len(item_tokens), render_item(item)))
+        generated += item_tokens
+    messages.remember(prompt_ids, generated, entries)
+    return prompt_ids, generated
 
 
 def test_render_item_is_the_items_own_run_of_the_prompt() -> None:
-    items = (
-        Message("user", "Weather in Oslo?"), THINK, Message("assistant", "Let me check.",
-        "commentary"), CALL, FunctionCallOutput("call_1", "get_weather", "sunny"),
-    )  # fmt: skip
+    items = (ASK, THINK, Message("assistant", "Let me check.", "commentary"), CALL, OUTPUT)
     whole = prompt(*items)
-    runs = [render_item(item) for item in items]
-    joined = [token for run in runs for token in run]
+    joined = [token for item in items for token in render_item(item)]
     start = len(whole) - len(joined) - len(tokens("<|start|>assistant"))
     assert whole[start : start + len(joined)] == joined
 
 
-def test_a_call_replays_as_generated_and_the_rest_as_rendered() -> None:
+def test_a_tool_loop_continues_what_was_generated_turn_after_turn() -> None:
     messages = GeneratedMessages(1 << 10)
-    assert messages.remember(render_item(CALL), GENERATED_CALL)
-    output = FunctionCallOutput("call_1", "get_weather", "sunny")
-    rendered = prompt(Message("user", "Weather?"), THINK, CALL, output)
-    replayed = messages.replay(rendered)
-    call = render_item(CALL)
-    at = next(i for i in range(len(rendered)) if rendered[i : i + len(call)] == call)
-    assert replayed[:at] == rendered[:at]
-    assert replayed[at : at + len(GENERATED_CALL)] == GENERATED_CALL
-    assert replayed[at + len(GENERATED_CALL) :] == rendered[at + len(call) :]
-    assert messages.num_messages == 1 and messages.num_tokens == len(GENERATED_CALL)
+    first, generated = respond(messages, (ASK,), [(THINK, GENERATED_THINK), (CALL, GENERATED_CALL)])
+    assert messages.num_messages == 2
+    assert messages.num_tokens == len(GENERATED_THINK) + 2 + len(GENERATED_CALL)
+    loop = (ASK, THINK, CALL, OUTPUT)
+    second = messages.replay(prompt(*loop))
+    assert second[: len(first) + len(generated)] == first + generated
+    assert second[len(first) + len(generated) :] == prompt(*loop)[-len(render_item(OUTPUT)) - 2 :]
+    again = FunctionCall("call_2", "get_weather", '{"city": "Oslo"}')  # the same call, later
+    _, more = respond(messages, loop, [(again, GENERATED_CALL[2:])])
+    third = messages.replay(prompt(*loop, again, OUTPUT))
+    assert third[: len(second) + len(more)] == second + more
 
 
-def test_a_first_message_gets_the_role_and_an_answer_the_rendered_terminator() -> None:
-    """A response's first message follows the prompt's <|start|>assistant; an answer the model
-    ended with <|return|> ends with <|end|> in a history, as rendered."""
+def test_an_answer_comes_back_as_generated_with_the_history_terminator() -> None:
+    """An answer the model ended with <|return|> ends with <|end|> in a history, as rendered;
+    its text keeps the tokens the model spelled it in."""
     messages = GeneratedMessages(1 << 10)
     answer = Message("assistant", "Hello there", "final")
-    # "Hel" + "lo" + " there": not the canonical tokens of the text
     generated = [
         *tokens("<|channel|>final<|message|>Hel"), *tokens("lo"), *tokens(" there<|return|>")
     ]  # fmt: skip
-    assert messages.remember(render_item(answer), generated)
+    first, _ = respond(messages, (Message("user", "Hi"),), [(answer, generated)])
     replayed = messages.replay(prompt(Message("user", "Hi"), answer, Message("user", "Again")))
     expected = tokens("<|start|>assistant") + generated[:-1] + tokens("<|end|>")
     assert adapter.decode(expected) == adapter.decode(render_item(answer))
-    assert any(replayed[i : i + len(expected)] == expected for i in range(len(replayed)))
+    assert replayed[: len(first) - 2 + len(expected)] == first[:-2] + expected
+
+
+def test_a_message_replays_only_after_what_preceded_it() -> None:
+    """Two conversations make the same call in other tokens: each gets its own."""
+    messages = GeneratedMessages(1 << 10)
+    other = Message("user", "And in Oslo?")
+    spelled = [*tokens('<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                       '<|message|>{"city": "Os'), *tokens('lo"}<|call|>')]  # fmt: skip
+    respond(messages, (ASK,), [(CALL, GENERATED_CALL[2:])])
+    respond(messages, (other,), [(CALL, spelled)])
+    assert messages.num_messages == 2
+    for ask, generated in ((ASK, GENERATED_CALL[2:]), (other, spelled)):
+        rendered = prompt(ask, CALL, OUTPUT)
+        replayed = messages.replay(rendered)
+        at = len(prompt(ask)) - 2
+        assert replayed[at : at + 2 + len(generated)] == tokens("<|start|>assistant") + generated
+    unknown = prompt(Message("user", "Bergen?"), CALL, OUTPUT)
+    assert messages.replay(unknown) is unknown
 
 
 def test_what_renders_the_same_or_is_not_a_whole_message_is_not_kept() -> None:
     messages = GeneratedMessages(1 << 10)
     rendered = render_item(THINK)
-    assert not messages.remember(rendered, rendered)  # nothing to replay
-    assert not messages.remember(rendered, tokens("<|channel|>analysis<|message|>Need"))  # cut
-    inner = tokens("<|start|>assistant<|channel|>analysis<|message|>a<|start|>assistant b<|end|>")
-    assert not messages.remember(rendered, inner)
-    assert not messages.remember(render_item(Message("user", "Hi")), GENERATED_CALL)
+    cut = tokens("<|channel|>analysis<|message|>Need")
+    inner = tokens("<|channel|>analysis<|message|>a<|start|>assistant b<|end|>")
+    for generated in (rendered[2:], cut, inner, []):
+        respond(messages, (ASK,), [(THINK, generated)])
+    respond(messages, (ASK,), [(Message("user", "Hi"), GENERATED_CALL[2:])])
     assert messages.num_messages == 0
-    plain = prompt(Message("user", "Hi"), THINK, CALL)
+    plain = prompt(ASK, THINK, CALL)
     assert messages.replay(plain) is plain
 
 
-def test_a_message_the_client_changed_renders_as_sent() -> None:
+def test_a_message_the_client_changed_and_those_after_it_render_as_sent() -> None:
     messages = GeneratedMessages(1 << 10)
-    messages.remember(render_item(CALL), GENERATED_CALL)
-    changed = FunctionCall("call_1", "get_weather", '{"city": "Bergen"}')
-    rendered = prompt(Message("user", "Weather?"), changed)
+    respond(messages, (ASK,), [(THINK, GENERATED_THINK), (CALL, GENERATED_CALL)])
+    changed = Reasoning("Need the weather.")
+    rendered = prompt(ASK, changed, CALL, OUTPUT)
     assert messages.replay(rendered) == rendered
 
 
 def test_the_least_recently_replayed_go_first_past_the_bound() -> None:
-    calls = [FunctionCall(f"c{i}", "get_weather", f'{{"city": "{i}"}}') for i in range(3)]
-    generated = [
-        tokens('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-               f'{{"city": "{i}"}}<|call|>')
-        for i in range(3)
-    ]  # fmt: skip
-    size = len(generated[0]) + len(tokens("<|start|>assistant"))
+    asks = [Message("user", f"Weather {i}?") for i in range(3)]
+    size = len(GENERATED_CALL)
     messages = GeneratedMessages(2 * size)
-    messages.remember(render_item(calls[0]), generated[0])
-    messages.remember(render_item(calls[1]), generated[1])
-    first = prompt(Message("user", "Hi"), calls[0])
-    assert messages.replay(first) != first  # c0 used: c1 is now the oldest
-    messages.remember(render_item(calls[2]), generated[2])
+    respond(messages, (asks[0],), [(CALL, GENERATED_CALL[2:])])
+    respond(messages, (asks[1],), [(CALL, GENERATED_CALL[2:])])
+    first = prompt(asks[0], CALL)
+    assert messages.replay(first) != first  # 0 used: 1 is now the oldest
+    respond(messages, (asks[2],), [(CALL, GENERATED_CALL[2:])])
     assert messages.num_messages == 2 and messages.num_tokens == 2 * size
     assert messages.replay(first) != first
-    second = prompt(Message("user", "Hi"), calls[1])
+    second = prompt(asks[1], CALL)
     assert messages.replay(second) == second
 
 
 def test_off_keeps_nothing() -> None:
     messages = GeneratedMessages(0)
-    assert not messages.remember(render_item(CALL), GENERATED_CALL)
+    respond(messages, (ASK,), [(CALL, GENERATED_CALL[2:])])
+    assert messages.num_messages == 0
     with pytest.raises(ValueError, match="max_tokens"):
         GeneratedMessages(-1)

@@ -101,6 +101,29 @@ def test_a_conversation_continues_what_was_generated(served) -> None:
     assert continues(engine, 1, CALL_SCRIPT)
 
 
+def test_loops_making_the_same_call_each_continue_their_own(served) -> None:
+    """Two interleaved loops make the same call in other tokens (as sampled models may): each
+    turn continues its own loop's tokens (with the call's text alone as the key, the second
+    loop's spelling went into the first's prompt, whose KV blocks then served neither)."""
+    _, client, engine = served
+    spelled = [*CALL_SCRIPT[: -len(harmony_tokens('Oslo"}<|call|>'))],
+               *harmony_tokens("O"), *harmony_tokens('slo"}<|call|>')]  # fmt: skip
+    assert decode(spelled) == decode(CALL_SCRIPT) and spelled != CALL_SCRIPT
+    scripts = [CALL_SCRIPT, spelled, SECOND_CALL, SECOND_CALL, SECOND_CALL, SECOND_CALL]
+    engine.queue(*scripts)
+    asks = [ASK, "Weather in Oslo, please?"]
+    loops = [client.responses.create(model="demo", input=ask, tools=TOOLS) for ask in asks]
+    for _ in range(2):
+        for number, response in enumerate(loops):
+            loops[number] = client.responses.create(
+                model="demo", previous_response_id=response.id, tools=TOOLS,
+                input=[output_of(response.output[-1])],
+            )  # fmt: skip
+    for index in range(2, 6):  # the prompt of each loop's next turn
+        before = engine.prompts[index - 2] + scripts[index - 2]
+        assert engine.prompts[index][: len(before)] == before, index
+
+
 def test_an_answer_comes_back_as_generated_with_the_history_terminator(served) -> None:
     """The next turn drops the reasoning (Harmony's rule); the answer the model ended with
     <|return|> is its generated tokens ending in <|end|>."""

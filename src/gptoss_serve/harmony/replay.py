@@ -1,5 +1,6 @@
 """The tokens the model generated for its recent messages, put back where a later prompt
-renders the same messages, so that the prompt continues what the model's KV cache holds.
+renders the same messages after the same tokens, so that the prompt continues what the
+model's KV cache holds.
 
 A client continues a tool loop by sending the model's messages back (previous_response_id,
 a conversation, or the whole history, as the Agents SDK and every Chat Completions client do),
@@ -9,17 +10,21 @@ channel (``<|channel|>commentary to=functions.f <|constrain|>json``, which the c
 grammar also forces) where the library writes it in the role (``assistant to=functions.f
 <|channel|>commentary``), a final answer ends in ``<|return|>`` where a history message ends
 in ``<|end|>``, and text the model spelled in other tokens than the canonical encoding comes
-back re-encoded. From the first such message on, the prefix cache missed: every turn of a tool
-loop recomputed everything after the loop's first call.
+back re-encoded. So the KV blocks of the last turn's output never served the next turn: it
+recomputed them, and everything after them.
 
 ``GeneratedMessages`` keeps, for each message a response completed, the tokens the model
-generated for it, keyed by the tokens openai-harmony renders for the same message in a
-history (``render.render_item`` of the output item it became). ``replay`` finds the
+generated for it, keyed by the tokens before it (the response's prompt and the messages it
+generated before this one) and the tokens openai-harmony renders for the same message in a
+history (``render.render_item`` of the output item it became). ``replay`` walks the
 assistant messages of a rendered prompt (the runs from one ``<|start|>`` to the next: special
 tokens never come from client text) and puts the generated tokens in place of each one it
-knows, with the terminator the render had (``<|end|>`` for an answer, ``<|call|>`` for a
-call). A message the client changed renders differently and stays as rendered. Memory is
-bounded by tokens kept (4 bytes each), the least recently used messages going first.
+knows after the same tokens (those before it, as replayed), with the terminator the render
+had (``<|end|>`` for an answer, ``<|call|>`` for a call). Keyed by what precedes it too, a
+message the same in many conversations (a call with the same arguments) replays in each as
+that conversation generated it, the same way every turn. A message the client changed, or
+one after a change, renders as it is. Memory is bounded by tokens kept (4 bytes each), the
+least recently used messages going first.
 """
 
 from __future__ import annotations
@@ -63,59 +68,94 @@ class GeneratedMessages:
     def num_tokens(self) -> int:
         return self._num_tokens
 
-    def remember(self, rendered: Sequence[int], generated: Sequence[int]) -> bool:
-        """Keep ``generated`` (a message's tokens as the model produced them, up to and with
-        its terminator; from its ``<|start|>``, or from after the prompt's
-        ``<|start|>assistant`` for a response's first message) as what a prompt that renders
-        the message as ``rendered`` gets instead. False (nothing kept) when the two are
-        already the same, when either is not a whole assistant message, or when it alone
-        would not fit."""
-        if not self._is_assistant_message(rendered) or not generated:
-            return False
-        if generated[-1] not in self._end_ids:
-            return False
-        head = [] if generated[0] == self._start_id else self._role
-        replayed = array.array("i", [*head, *generated[:-1], rendered[-1]])
+    def remember(
+        self,
+        prompt_ids: Sequence[int],
+        generated: Sequence[int],
+        messages: Sequence[tuple[int, int, Sequence[int]]],
+    ) -> int:
+        """Keep what a response generated after ``prompt_ids`` (which end with
+        ``<|start|>assistant``): ``messages`` are its output items' messages in order, each
+        (first, end, rendered): ``generated[first:end]`` up to and with its terminator (from
+        its ``<|start|>``, or from the start for the response's first message), kept for the
+        prompts that render it as ``rendered`` after the same tokens. A message already
+        rendered as generated, not a whole assistant message, or larger than the bound is not
+        kept (a later prompt holds it as rendered). Returns how many were kept."""
+        role = self._role
+        if not self.max_tokens or list(prompt_ids[-len(role) :]) != role:
+            return 0
+        # A message's context is what a later prompt holds before it: the prompt without its
+        # <|start|>assistant, then the messages before it as that prompt gets them.
+        context = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+        context.update(array.array("i", prompt_ids[: -len(role)]).tobytes())
+        kept = 0
+        for first, end, rendered in messages:
+            message = generated[first:end]
+            head = role if message and message[0] != self._start_id else []
+            replayed = self._as_replayed(head, message, rendered)
+            if replayed is not None:
+                self._keep(_key(context, rendered), replayed)
+                kept += 1
+            context.update(replayed if replayed is not None else array.array("i", rendered))
+        return kept
+
+    def _as_replayed(
+        self, head: Sequence[int], message: Sequence[int], rendered: Sequence[int]
+    ) -> array.array | None:
+        """The message as a prompt gets it: its generated tokens after ``head`` (the role
+        for a response's first message), with the rendered terminator; None when there is
+        no point or no right to keep it."""
+        if not message or message[-1] not in self._end_ids:
+            return None
+        if not self._is_assistant_message(rendered):
+            return None
+        replayed = array.array("i", [*head, *message[:-1], rendered[-1]])
         if not self._is_assistant_message(replayed) or replayed.tolist() == list(rendered):
-            return False
-        if len(replayed) > self.max_tokens:
-            return False
-        key = _digest(array.array("i", rendered))
+            return None
+        return replayed if len(replayed) <= self.max_tokens else None
+
+    def _keep(self, key: bytes, replayed: array.array) -> None:
+        """The first generation of a message after the same tokens stays: every prompt that
+        holds it gets the same tokens, whose KV blocks the prefix cache has."""
         with self._lock:
-            old = self._messages.pop(key, None)
-            if old is not None:
-                self._num_tokens -= len(old)
+            if key in self._messages:
+                self._messages.move_to_end(key)
+                return
             self._messages[key] = replayed
             self._num_tokens += len(replayed)
             while self._num_tokens > self.max_tokens:
                 _, evicted = self._messages.popitem(last=False)
                 self._num_tokens -= len(evicted)
-        return True
 
     def replay(self, prompt_ids: list[int]) -> list[int]:
-        """``prompt_ids`` with every assistant message that this keeps a generation of
-        replaced by it (the same list when there is none)."""
+        """``prompt_ids`` with every assistant message that this keeps a generation of, after
+        the same tokens, replaced by it (the same list when there is none)."""
         if not self._messages:
             return prompt_ids
         starts = _positions(prompt_ids, self._start_id)
-        if not starts:
-            return prompt_ids
+        role = self._role
+        context = hashlib.blake2b(digest_size=_DIGEST_BYTES)
         pieces: list[list[int] | array.array] = []
-        last = 0  # prompt_ids[:last] is in pieces
-        role_len = len(self._role)
+        last = 0  # prompt_ids[:last] is in pieces and in the context
         for begin, end in zip(starts, [*starts[1:], len(prompt_ids)], strict=True):
-            if prompt_ids[begin : begin + role_len] != self._role:
+            if prompt_ids[begin : begin + len(role)] != role:
                 continue
-            key = _digest(array.array("i", prompt_ids[begin:end]))
+            before = prompt_ids[last:begin]
+            context.update(array.array("i", before).tobytes())
+            pieces.append(before)
+            last = begin
+            segment = prompt_ids[begin:end]
+            key = _key(context, segment)
             with self._lock:
                 generated = self._messages.get(key)
                 if generated is not None:
                     self._messages.move_to_end(key)
             if generated is None:
                 continue
-            pieces += [prompt_ids[last:begin], generated]
+            context.update(generated.tobytes())
+            pieces.append(generated)
             last = end
-        if not pieces:
+        if not any(isinstance(piece, array.array) for piece in pieces):
             return prompt_ids
         replayed: list[int] = []
         for piece in [*pieces, prompt_ids[last:]]:
@@ -144,5 +184,7 @@ def _positions(token_ids: list[int], token_id: int) -> list[int]:
         positions.append(index)
 
 
-def _digest(token_ids: array.array) -> bytes:
-    return hashlib.blake2b(token_ids.tobytes(), digest_size=_DIGEST_BYTES).digest()
+def _key(context: hashlib.blake2b, message: Sequence[int]) -> bytes:
+    """The digest of the tokens before a message, then of the message as rendered."""
+    rendered = hashlib.blake2b(array.array("i", message).tobytes(), digest_size=_DIGEST_BYTES)
+    return context.copy().digest() + rendered.digest()

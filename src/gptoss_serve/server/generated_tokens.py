@@ -16,9 +16,9 @@ from gptoss_serve.server.conversation import output_to_items
 
 logger = logging.getLogger(__name__)
 
-# A longer message is not kept: keying it renders its text again (openai-harmony's encode holds
-# the GIL, ~0.2 s a MB), and so long a message is rarely followed by a turn that needs it.
-MAX_KEPT_TOKENS = 1 << 14
+# Keying a message renders its text again (openai-harmony's encode holds the GIL, ~0.2 s a MB):
+# from an output item of more characters on, this and the later ones are not kept.
+MAX_KEPT_CHARS = 1 << 16
 
 
 class GeneratedTokens:
@@ -47,18 +47,25 @@ class GeneratedTokens:
         if closed and open_item is not None and token_id in self._end_ids:
             self.messages.append((open_item, self._start, len(self.token_ids)))
 
-    def remember(self, messages: GeneratedMessages, output: Sequence[Any]) -> int:
-        """Give ``messages`` each completed message's tokens, keyed by the render of the item
-        it became (``output``: the response's output objects). Returns how many it kept."""
+    def remember(
+        self, messages: GeneratedMessages, prompt_ids: Sequence[int], output: Sequence[Any]
+    ) -> int:
+        """Give ``messages`` what the response generated after ``prompt_ids``: each output
+        item (``output``: the response's output objects) with the tokens of its message, if
+        a terminator closed it, and its render as an item of a later prompt. Returns how many
+        it kept."""
         if not messages.max_tokens:
             return 0
-        kept = 0
-        for index, first, end in self.messages:
-            if end - first > MAX_KEPT_TOKENS:
-                continue
-            items = output_to_items([output[index].model_dump(mode="json", by_alias=True)])
+        spans = {index: (first, end) for index, first, end in self.messages}
+        entries = []
+        for index, entry in enumerate(output):
+            items = output_to_items([entry.model_dump(mode="json", by_alias=True)])
             if len(items) != 1:
                 logger.warning("output item %d did not convert to one history item", index)
-                continue
-            kept += messages.remember(render_item(items[0]), self.token_ids[first:end])
-        return kept
+                break
+            (item,) = items
+            if len(getattr(item, "text", None) or getattr(item, "arguments", "")) > MAX_KEPT_CHARS:
+                break
+            first, end = spans.get(index, (0, 0))
+            entries.append((first, end, render_item(item)))
+        return messages.remember(prompt_ids, self.token_ids, entries)

@@ -517,7 +517,7 @@ def _keep(prepared: Prepared, store: ResponseStore, generated: GeneratedTokens) 
     """The response's generated messages kept for the prompts that replay them, then the
     response stored (``store_response``)."""
     if prepared.replays is not None:
-        generated.remember(prepared.replays, prepared.response.output)
+        generated.remember(prepared.replays, prepared.prompt_ids, prepared.response.output)
     store_response(prepared, store)
 
 
