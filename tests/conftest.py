@@ -11,6 +11,7 @@ import torch
 from gptoss_serve.checkpoint.demo import demo_checkpoint_dir
 from gptoss_serve.checkpoint.synthetic import make_checkpoint
 from gptoss_serve.engine.allocator import configure_allocator
+from gptoss_serve.server.render_workers import RenderWorkers
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -38,6 +39,20 @@ def verified_fast_launches():
     fast_launch.set_verification(True)
     yield
     fast_launch.set_verification(False)
+
+
+@pytest.fixture(autouse=True)
+def lazy_render_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers under test start their render workers at their first large prompt, as before
+    the app started them with itself: a start costs ~1.5 s of a CI core, and the suite starts
+    hundreds of servers, few of which render a large prompt. A test of the start-up itself is
+    marked ``eager_render_workers``."""
+    if "eager_render_workers" not in request.keywords:
+        monkeypatch.setattr(RenderWorkers, "start", _not_at_start_up)
+
+
+async def _not_at_start_up(self: RenderWorkers) -> None:
+    del self
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

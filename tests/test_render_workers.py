@@ -13,14 +13,18 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
+from gptoss_serve.config import ServerConfig
 from gptoss_serve.harmony.conversation import Message, RenderRequest
 from gptoss_serve.server import context_fit
+from gptoss_serve.server.app import create_app
 from gptoss_serve.server.errors import APIError
 from gptoss_serve.server.render_workers import (
     MAX_BROKEN_POOLS,
     RENDER_IN_WORKER_CHARS,
     RenderWorkers,
 )
+from gptoss_serve.server.store import ResponseStore
+from server_helpers import ScriptedEngine, running_server
 
 CONTEXT = 131_072
 
@@ -165,3 +169,31 @@ def test_zero_processes_or_a_small_input_render_in_the_caller(
     assert asyncio.run(workers.fit_context(small, None, CONTEXT, [1] * 8)) == _fit_here(small)
     assert workers._pool is None  # never started for it
     assert len(calls) == 4  # the two renders above and their two checks, all here
+
+
+@pytest.mark.eager_render_workers
+def test_start_spawns_the_workers_and_loads_their_vocabulary() -> None:
+    workers = RenderWorkers(1)
+    try:
+        asyncio.run(workers.start())
+        processes = list(workers._pool._processes.values())
+        assert len(processes) == 1 and processes[0].is_alive()
+    finally:
+        workers.close()
+    zero = RenderWorkers(0)
+    asyncio.run(zero.start())
+    assert zero._pool is None
+
+
+def test_the_app_starts_its_workers_before_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first large prompt does not wait for a worker process to start (2-4 s on the GPU
+    machine, with every request behind it)."""
+    started = []
+
+    async def start(self: RenderWorkers) -> None:
+        started.append(self.processes)
+
+    monkeypatch.setattr(RenderWorkers, "start", start)
+    app = create_app(ScriptedEngine(), ResponseStore(":memory:"), ServerConfig())
+    with running_server(app):
+        assert started == [ServerConfig.render_processes]

@@ -314,11 +314,12 @@ def test_function_call_output_continues_a_stored_call(
     assert second["status"] == "completed"
     prompt = decode(engine.prompts[-1])
     assert "What is the weather in Oslo?" in prompt
-    # The call replays as a commentary message to functions.get_weather, its output as a
-    # message from that tool; in that order, after the question.
+    # The call replays as the commentary message to functions.get_weather the model generated
+    # (harmony/replay.py: the recipient after the channel), its output as a message from that
+    # tool; in that order, after the question.
     call_text = '<|constrain|>json<|message|>{"city":"Oslo"}<|call|>'
     output_text = "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny"
-    assert "<|start|>assistant to=functions.get_weather<|channel|>commentary " + call_text in prompt
+    assert "<|start|>assistant<|channel|>commentary to=functions.get_weather " + call_text in prompt
     assert prompt.index("Oslo?") < prompt.index(call_text) < prompt.index(output_text)
 
 

@@ -61,6 +61,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(constraints.warm_up, config)  # not in the first request
+        await renderers.start()  # nor the render workers' start (render_workers.py)
         async with pruning(store, config.store_retention_s, config.store_prune_interval_s):
             with frozen_startup_heap():  # full collections skip what start-up built (gc_heap.py)
                 yield

@@ -8,9 +8,11 @@ for as long. So where a render is larger than RENDER_IN_WORKER_CHARS characters
 render), ``context_fit.fit_context`` runs in a process pool, and the event loop
 only pickles the conversation and unpickles the token ids: on a CI core, the event loop's
 longest stall during a 96,921-token render went from 100 ms to 6.5 ms (30,219 tokens: 32 to
-2.8 ms). The pool starts a process at its first such input (the vocabulary loads there once,
-~1 s; the server's side of the start stalls the loop ~20 ms); ``processes=0`` renders in the
-caller instead.
+2.8 ms). The app starts the pool before it serves (``start``): the spawned process imports
+the server's modules and loads the vocabulary, 2-4 s on the H200 machine, which the first
+large prompt used to wait for, with every request behind it (a 4-s TTFT in a tool loop at
+the turn whose prompt first passed the threshold); ``processes=0`` renders in the caller
+instead.
 
 The workers are started with "spawn", which imports the main module again in the child: a
 program that builds the app itself must guard its entry point with ``if __name__ ==
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import RenderRequest
 from gptoss_serve.server import context_fit
 
@@ -47,6 +50,24 @@ class RenderWorkers:
         self._pool: ProcessPoolExecutor | None = None
         self._broken = 0  # pools whose worker died
 
+    async def start(self) -> None:
+        """Start the worker processes and load the vocabulary in each (a no-op with none)."""
+        if not self.processes:
+            return
+        pool, loop = self._started_pool(), asyncio.get_running_loop()
+        await asyncio.gather(
+            *(loop.run_in_executor(pool, _load_vocabulary) for _ in range(self.processes))
+        )
+
+    def _started_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            # spawn: a fork of a process that holds CUDA, threads and an event loop is unsafe.
+            context_of = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(
+                self.processes, mp_context=context_of, initializer=_ignore_interrupts
+            )
+        return self._pool
+
     async def fit_context(
         self, render: RenderRequest, truncation: str | None, context: int, bounds: Sequence[int]
     ) -> tuple[list[int], RenderRequest]:
@@ -57,13 +78,7 @@ class RenderWorkers:
         here = not self.processes or self._broken >= MAX_BROKEN_POOLS
         if here or context_fit.render_chars(render) <= RENDER_IN_WORKER_CHARS:
             return context_fit.fit_context(render, truncation, context, bounds)
-        if self._pool is None:
-            # spawn: a fork of a process that holds CUDA, threads and an event loop is unsafe.
-            context_of = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(
-                self.processes, mp_context=context_of, initializer=_ignore_interrupts
-            )
-        pool, loop = self._pool, asyncio.get_running_loop()
+        pool, loop = self._started_pool(), asyncio.get_running_loop()
         job = (render, truncation, context, list(bounds))
         try:
             return await loop.run_in_executor(pool, context_fit.fit_context, *job)
@@ -84,6 +99,11 @@ class RenderWorkers:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _load_vocabulary() -> None:
+    """In a worker: what its first render would otherwise load."""
+    adapter.encoding()
 
 
 def _ignore_interrupts() -> None:
