@@ -113,20 +113,21 @@ def test_a_refusal_in_the_worker_is_the_same_400() -> None:
     assert there.value.status_code == 400
 
 
+class DeadPool:
+    """Its jobs fail once awaited, as those in flight when a worker dies."""
+
+    def submit(self, *args, **kwargs) -> Future:
+        failed = Future()
+        failed.set_exception(BrokenProcessPool("worker died"))
+        return failed
+
+    def shutdown(self, **kwargs) -> None:
+        pass
+
+
 def test_a_dead_pool_is_replaced_and_the_render_done_here(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    class DeadPool:
-        """Its renders fail once awaited, as those in flight when a worker dies."""
-
-        def submit(self, *args, **kwargs) -> Future:
-            failed = Future()
-            failed.set_exception(BrokenProcessPool("worker died"))
-            return failed
-
-        def shutdown(self, **kwargs) -> None:
-            pass
-
     render = _conversation(12_000)  # over RENDER_IN_WORKER_CHARS: for the pool
     assert context_fit.input_chars(render.items) > RENDER_IN_WORKER_CHARS
     workers = RenderWorkers(1)
@@ -183,6 +184,12 @@ def test_start_spawns_the_workers_and_loads_their_vocabulary() -> None:
     zero = RenderWorkers(0)
     asyncio.run(zero.start())
     assert zero._pool is None
+    # A worker that dies starting (a program without a __main__ guard): the server starts,
+    # counting a broken pool, and the next large prompt tries a new one.
+    dead = RenderWorkers(1)
+    dead._pool = DeadPool()
+    asyncio.run(dead.start())
+    assert dead._pool is None and dead._broken == 1
 
 
 def test_the_app_starts_its_workers_before_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:

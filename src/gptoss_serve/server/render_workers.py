@@ -51,13 +51,19 @@ class RenderWorkers:
         self._broken = 0  # pools whose worker died
 
     async def start(self) -> None:
-        """Start the worker processes and load the vocabulary in each (a no-op with none)."""
-        if not self.processes:
+        """Start the worker processes and load the vocabulary in each (a no-op with none).
+        A worker that dies starting (a program that builds the app without a ``__main__``
+        guard: the spawn runs it again) counts as a broken pool; the server serves on."""
+        if not self.processes or self._broken >= MAX_BROKEN_POOLS:
             return
         pool, loop = self._started_pool(), asyncio.get_running_loop()
-        await asyncio.gather(
-            *(loop.run_in_executor(pool, _load_vocabulary) for _ in range(self.processes))
-        )
+        try:
+            await asyncio.gather(
+                *(loop.run_in_executor(pool, _load_vocabulary) for _ in range(self.processes))
+            )
+        except BrokenProcessPool:
+            self._pool_broke(pool, "did not start (does the program that builds the app guard "
+                             "its entry point with `if __name__ == '__main__'`?)")  # fmt: skip
 
     def _started_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -83,21 +89,29 @@ class RenderWorkers:
         try:
             return await loop.run_in_executor(pool, context_fit.fit_context, *job)
         except BrokenProcessPool:
-            if pool is self._pool:  # the first of the renders it broke: replace it once
-                self._broken += 1
-                logger.exception(
-                    "the render worker died (%d of %d); rendering in the server%s",
-                    self._broken, MAX_BROKEN_POOLS,
-                    ", from now on" if self._broken >= MAX_BROKEN_POOLS else " meanwhile",
-                )  # fmt: skip
-                pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+            self._pool_broke(pool, "died")
             return context_fit.fit_context(*job)
 
+    def _pool_broke(self, pool: ProcessPoolExecutor, what: str) -> None:
+        """Count and replace a pool whose worker died (once, for the first of the calls it
+        broke), with the error logged; large prompts render in the server meanwhile."""
+        if pool is not self._pool:
+            return
+        self._broken += 1
+        logger.exception(
+            "the render worker %s (%d of %d); rendering in the server%s",
+            what, self._broken, MAX_BROKEN_POOLS,
+            ", from now on" if self._broken >= MAX_BROKEN_POOLS else " meanwhile",
+        )  # fmt: skip
+        pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
+
     def close(self) -> None:
-        """Stops the worker processes (a render in flight is not waited for)."""
+        """Stops the worker processes, waiting for a render in flight (a fraction of a
+        second: without the wait the pool's semaphores outlive it, which the interpreter's
+        exit reports as leaked)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
 
