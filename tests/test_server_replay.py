@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.harmony.adapter import decode
@@ -77,6 +78,27 @@ def test_a_chained_tool_loop_continues_what_was_generated(served) -> None:
     client.responses.create(model="demo", previous_response_id=second.id, tools=TOOLS,
                             input=[output_of(second.output[-1])])  # fmt: skip
     assert continues(engine, 2, SECOND_CALL)
+
+
+def test_metrics_count_what_is_kept_and_replayed(served) -> None:
+    url, client, engine = served
+    engine.queue(CALL_SCRIPT, SECOND_CALL)
+    first = client.responses.create(model="demo", input=ASK, tools=TOOLS)
+    client.responses.create(model="demo", previous_response_id=first.id, tools=TOOLS,
+                            input=[output_of(first.output[-1])])  # fmt: skip
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        for sample in family.samples
+    }
+    # Kept: the first turn's reasoning (other tokens than its text's) and call, the second
+    # turn's call; its preamble rendered as it was generated. Replayed: the first two.
+    assert samples["gptoss_replay_cache_messages"] == 3
+    assert samples["gptoss_replayed_messages_total"] == 2
+    kept = len(CALL_SCRIPT) - len(harmony_tokens(
+        "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+    )) + 2 + len(SECOND_CALL) + 2  # fmt: skip
+    assert samples["gptoss_replay_cache_tokens"] == kept
 
 
 def test_items_sent_back_get_the_same_prompt_as_a_chain(served) -> None:

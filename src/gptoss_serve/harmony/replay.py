@@ -35,12 +35,22 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gptoss_serve.harmony import adapter
 
 logger = logging.getLogger(__name__)
 
 _DIGEST_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ReplayStats:
+    """What ``GeneratedMessages`` holds and has done (the server's /metrics)."""
+
+    num_messages: int  # kept now
+    num_tokens: int  # kept now (4 bytes each)
+    num_replayed: int  # messages put into prompts so far
 
 
 class GeneratedMessages:
@@ -53,6 +63,7 @@ class GeneratedMessages:
         self.max_tokens = max_tokens
         self._messages: OrderedDict[bytes, array.array] = OrderedDict()
         self._num_tokens = 0
+        self._num_replayed = 0
         self._lock = threading.Lock()
         self._start_id = adapter.special_token_id("<|start|>")
         self._role = [self._start_id, *adapter.encode("assistant")]
@@ -67,6 +78,10 @@ class GeneratedMessages:
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
+
+    def stats(self) -> ReplayStats:
+        with self._lock:
+            return ReplayStats(len(self._messages), self._num_tokens, self._num_replayed)
 
     def remember(
         self,
@@ -150,6 +165,7 @@ class GeneratedMessages:
                 generated = self._messages.get(key)
                 if generated is not None:
                     self._messages.move_to_end(key)
+                    self._num_replayed += 1
             if generated is None:
                 continue
             context.update(generated.tobytes())

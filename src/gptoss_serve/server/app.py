@@ -67,11 +67,11 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
                 yield
         await _shut_down(runs, engine, renderers, store)
 
-    metrics = ServerMetrics(engine.stats)
+    replays = GeneratedMessages(config.replay_cache_tokens)  # harmony/replay.py
+    metrics = ServerMetrics(engine.stats, replays.stats)
     runs = BackgroundRuns(engine, store, metrics)
     renderers = RenderWorkers(config.render_processes)
     locks = ConversationLocks()
-    replays = GeneratedMessages(config.replay_cache_tokens)  # harmony/replay.py
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
     _add_middleware(app, config)

@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from gptoss_serve.engine.scheduler_output import SchedulerStats
+from gptoss_serve.harmony.replay import ReplayStats
 
 # Seconds: from a few ms (a cached short prompt) to minutes (a long prefill in a busy queue).
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -28,10 +29,16 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], SchedulerStats | None] | None = None) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], SchedulerStats | None] | None = None,
+        replay_stats: Callable[[], ReplayStats] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         if engine_stats is not None:
             self.registry.register(EngineCollector(engine_stats))
+        if replay_stats is not None:
+            self.registry.register(ReplayCollector(replay_stats))
         self.requests = Counter(
             "gptoss_requests", "Generations finished, by the response's status.", ["status"],
             registry=self.registry,
@@ -104,6 +111,26 @@ class EngineCollector(Collector):
         usage.add_metric(["full"], stats.kv_usage)
         usage.add_metric(["sliding"], stats.sliding_kv_usage)
         yield usage
+
+
+class ReplayCollector(Collector):
+    """The generated messages kept for later prompts (harmony/replay.py), read at scrape
+    time."""
+
+    def __init__(self, stats: Callable[[], ReplayStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        yield GaugeMetricFamily("gptoss_replay_cache_messages",
+                                "Generated messages kept for the prompts that send them back.",
+                                value=stats.num_messages)  # fmt: skip
+        yield GaugeMetricFamily("gptoss_replay_cache_tokens",
+                                "Their generated tokens (4 bytes each).",
+                                value=stats.num_tokens)  # fmt: skip
+        yield CounterMetricFamily("gptoss_replayed_messages",
+                                  "Messages put into prompts as the model generated them.",
+                                  value=stats.num_replayed)  # fmt: skip
 
 
 @dataclass
