@@ -1,6 +1,8 @@
 """A soak of a running server with the traffic that tests its bookkeeping: clients that leave
 mid-stream or time out mid-generation, background responses cancelled, chat choices (``n``),
-stop sequences, grammars, long prompts, ``previous_response_id`` chains. Afterwards the engine
+stop sequences, grammars, long prompts, ``previous_response_id`` chains, tool loops (each turn
+a required call, continued by id and then by sending every item back: the prompts that
+replay the model's messages, harmony/replay.py). Afterwards the engine
 must be idle with its KV cache free, and no request may have had a 5xx or a broken stream.
 
     python bench/serve_soak.py --base-url http://127.0.0.1:8000 [--seconds 150]
@@ -39,7 +41,7 @@ TOOLS = [{"type": "function", "name": "f", "strict": True,
                          "required": ["x"], "additionalProperties": False}}]  # fmt: skip
 KINDS = ("chat_n", "chat_stream_n", "chat_stream_cut", "chat_stop", "responses_stream_cut",
          "timeout", "background_cancel", "json_schema", "tool_required", "long",
-         "chain")  # fmt: skip
+         "chain", "tool_loop")  # fmt: skip
 HITS = "gptoss_prefix_cache_hit_tokens_total"
 QUERIED = "gptoss_prefix_cache_queried_tokens_total"
 WAITS = "gptoss_prefix_cache_waits_total"
@@ -115,6 +117,8 @@ class Soak:
             await self._chat(client, kind, rng, salt, text)
         elif kind in ("json_schema", "tool_required"):
             await self._constrained(client, kind, text)
+        elif kind == "tool_loop":
+            await self._tool_loop(client, text)
         else:
             await self._responses(client, kind, rng, salt, text)
 
@@ -185,9 +189,31 @@ class Soak:
         if cut is None and reply.status_code == 200 and last != last_expected:
             self.problems.append(f"{kind}: the stream ended with {last[:120]!r}")
 
-    async def _constrained(self, client: httpx.AsyncClient, kind: str, text: str) -> None:
+    async def _tool_loop(self, client: httpx.AsyncClient, text: str) -> None:
+        """Three turns of required calls: the first from ``text``, the second continued by
+        ``previous_response_id``, the third with every item sent back (as the Agents SDK
+        does); each turn's output is its call's arguments."""
+        items: list[dict[str, Any]] = [{"role": "user", "content": text}]
+        previous = None
+        for turn in range(3):
+            link = {"previous_response_id": previous} if turn == 1 else {}
+            sent = items if turn != 1 else items[-1:]
+            response = await self._constrained(client, f"tool_loop_{turn + 1}", sent, link)
+            if response is None:
+                return
+            call = response["output"][-1]
+            items += [*_as_input(response["output"]), {"type": "function_call_output",
+                      "call_id": call["call_id"], "output": call["arguments"]}]  # fmt: skip
+            previous = response["id"]
+
+    async def _constrained(
+        self, client: httpx.AsyncClient, kind: str, text: str | list[dict[str, Any]],
+        more: dict[str, Any] | None = None,
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """A json_schema or required-call request (``more``: other fields); its response when
+        it completed, with its output checked against the grammar."""
         body: dict[str, Any] = {"model": self.model, "input": text, "max_output_tokens": 300,
-                                "reasoning_budget": 24}  # fmt: skip
+                                "reasoning_budget": 24, **(more or {})}  # fmt: skip
         if kind == "json_schema":
             body["text"] = {"format": {"type": "json_schema", "name": "s", "schema": SCHEMA,
                                        "strict": True}}  # fmt: skip
@@ -196,7 +222,7 @@ class Soak:
         reply = await client.post(f"{self.base}/v1/responses", json=body)
         self.count(kind, reply.status_code)
         if reply.status_code != 200 or reply.json()["status"] != "completed":
-            return
+            return None
         last = reply.json()["output"][-1]
         try:
             if kind == "json_schema":
@@ -208,6 +234,8 @@ class Soak:
             ok = False
         if not ok:
             self.problems.append(f"{kind}: output outside its grammar: {json.dumps(last)[:200]}")
+            return None
+        return reply.json()
 
     async def worker(self, number: int, deadline: float) -> None:
         rng = random.Random(number)
@@ -219,6 +247,11 @@ class Soak:
                     await self.one(client, rng, salt)
                 except httpx.HTTPError as error:  # a transport failure is a finding, not a crash
                     self.problems.append(f"{type(error).__name__}: {error}")
+
+
+def _as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as a stateless client sends them back (no status, no null fields)."""
+    return [{k: v for k, v in item.items() if k != "status" and v is not None} for item in output]
 
 
 async def idle_after(client: httpx.AsyncClient, base: str, wait_s: float = 60) -> dict[str, float]:
