@@ -116,6 +116,22 @@ def test_a_message_replays_only_after_what_preceded_it() -> None:
     assert messages.replay(unknown) is unknown
 
 
+def test_the_first_generation_of_a_message_stays_and_the_next_ones_follow_it() -> None:
+    """Two responses to one prompt reason the same text in other tokens, then call with other
+    arguments: the first spelling is what every prompt gets, the second response's call is
+    kept after it (the prompt that sends that call back holds the first spelling)."""
+    messages = GeneratedMessages(1 << 10)
+    other_think = [*tokens("<|channel|>analysis<|message|>Ne"), *tokens("ed weather.<|end|>")]
+    bergen = FunctionCall("call_2", "get_weather", '{"city": "Bergen"}')
+    bergen_call = tokens('<|start|>assistant<|channel|>commentary to=functions.get_weather '
+                         '<|constrain|>json<|message|>{"city": "Bergen"}<|call|>')  # fmt: skip
+    first, _ = respond(messages, (ASK,), [(THINK, GENERATED_THINK), (CALL, GENERATED_CALL)])
+    respond(messages, (ASK,), [(THINK, other_think), (bergen, bergen_call)])
+    replayed = messages.replay(prompt(ASK, THINK, bergen, OUTPUT))
+    expected = first + GENERATED_THINK + bergen_call
+    assert replayed[: len(expected)] == expected
+
+
 def test_what_renders_the_same_or_is_not_a_whole_message_is_not_kept() -> None:
     messages = GeneratedMessages(1 << 10)
     rendered = render_item(THINK)

@@ -108,8 +108,8 @@ class GeneratedMessages:
             message = generated[first:end]
             head = role if message and message[0] != self._start_id else []
             replayed = self._as_replayed(head, message, rendered)
-            if replayed is not None:
-                self._keep(_key(context, rendered), replayed)
+            if replayed is not None:  # what a prompt gets: this, or a generation kept before
+                replayed = self._keep(_key(context, rendered), replayed)
                 kept += 1
             context.update(replayed if replayed is not None else array.array("i", rendered))
         return kept
@@ -129,18 +129,21 @@ class GeneratedMessages:
             return None
         return replayed if len(replayed) <= self.max_tokens else None
 
-    def _keep(self, key: bytes, replayed: array.array) -> None:
-        """The first generation of a message after the same tokens stays: every prompt that
-        holds it gets the same tokens, whose KV blocks the prefix cache has."""
+    def _keep(self, key: bytes, replayed: array.array) -> array.array:
+        """Keep ``replayed`` under ``key``, unless a generation is kept there already: the
+        first one stays, so that every prompt that holds the message gets the same tokens,
+        whose KV blocks the prefix cache has. Returns the one kept."""
         with self._lock:
-            if key in self._messages:
+            kept = self._messages.get(key)
+            if kept is not None:
                 self._messages.move_to_end(key)
-                return
+                return kept
             self._messages[key] = replayed
             self._num_tokens += len(replayed)
             while self._num_tokens > self.max_tokens:
                 _, evicted = self._messages.popitem(last=False)
                 self._num_tokens -= len(evicted)
+        return replayed
 
     def replay(self, prompt_ids: list[int]) -> list[int]:
         """``prompt_ids`` with every assistant message that this keeps a generation of, after
