@@ -33,7 +33,9 @@ def _weights(demo_dir: Path):
 
 
 @contextlib.contextmanager
-def _served(demo_dir: Path, **scheduler: int) -> Iterator[tuple[object, openai.OpenAI]]:
+def _served(
+    demo_dir: Path, server: ServerConfig | None = None, **scheduler: int
+) -> Iterator[tuple[object, openai.OpenAI]]:
     """The batched engine on the demo model (reference ops) behind a real server."""
     kv_cache_tokens = scheduler.pop("kv_cache_tokens")
     config = EngineConfig(
@@ -41,7 +43,7 @@ def _served(demo_dir: Path, **scheduler: int) -> Iterator[tuple[object, openai.O
         reference_ops=True, use_cuda_graphs=False,
     )  # fmt: skip
     engine = build_async_engine(_weights(demo_dir), "demo", config)
-    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
+    app = create_app(engine, ResponseStore(":memory:"), server or ServerConfig())
     with running_server(app) as base_url:
         yield engine, openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
@@ -143,6 +145,43 @@ def test_a_repeated_prompt_reports_its_cached_tokens(engine_and_client) -> None:
     assert first.usage.input_tokens_details.cached_tokens < second.usage.input_tokens - 16
     cached = second.usage.input_tokens_details.cached_tokens
     assert cached == (second.usage.input_tokens - 1) // 16 * 16 > 0
+
+
+LOOKUP = {"type": "function", "name": "lookup", "strict": True, "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "enum": ["a", "b"]}},
+    "required": ["word"], "additionalProperties": False,
+}}  # fmt: skip
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_tool_loops_next_turn_finds_the_whole_last_turn_in_the_cache(
+    demo_dir: Path, replay: bool
+) -> None:
+    """The next turn's prompt continues the tokens the model generated (harmony/replay.py),
+    so the prefix cache serves the last turn's prompt and output; rendered again, the random
+    model's reasoning and the call's header (recipient in the role) are other tokens, and
+    only the last turn's prompt is served."""
+    server = ServerConfig(replay_cache_tokens=(1 << 20) if replay else 0)
+    with _served(demo_dir, server, max_num_seqs=4, max_num_batched_tokens=512,
+                 kv_cache_tokens=8192) as (_, client):  # fmt: skip
+        first = client.responses.create(
+            model="demo", input="Look a word up.", tools=[LOOKUP], tool_choice="required",
+            max_output_tokens=64, extra_body={"reasoning_budget": 12},
+        )  # fmt: skip
+        assert first.status == "completed" and first.output[-1].type == "function_call"
+        second = client.responses.create(
+            model="demo", previous_response_id=first.id, tools=[LOOKUP], max_output_tokens=16,
+            input=[{"type": "function_call_output", "call_id": first.output[-1].call_id,
+                    "output": "found"}],
+        )  # fmt: skip
+    # Every full block of the first turn's sequence but the one with its last token (whose
+    # KV the generation never computed).
+    whole = (first.usage.input_tokens + first.usage.output_tokens - 1) // 16 * 16
+    cached = second.usage.input_tokens_details.cached_tokens
+    if replay:
+        assert cached >= whole, (cached, whole)
+    else:
+        assert first.usage.input_tokens // 16 * 16 <= cached < whole, (cached, whole)
 
 
 def test_a_prompt_longer_than_the_kv_cache_is_a_400(demo_dir: Path) -> None:
