@@ -206,6 +206,10 @@ def test_dialogues_continue_each_turn(scripted: tuple[ScriptedEngine, str], cont
     assert summary["ttft_first_turn_ms"]["count"] == 2
     assert summary["ttft_later_turns_ms"]["count"] == 4
     assert summary["later_turns_cached_share"] == 0  # the scripted engine caches nothing
+    later = [r for r in run.results if r.turn > 1]
+    assert summary["later_turns_computed_tokens_mean"] == (
+        sum(r.input_tokens for r in later) / len(later)
+    )
     table = format_table(summary)
     assert "dialogue of 3 turns" in table and "turns 2+" in table and "prefix cache" in table
 

@@ -54,8 +54,9 @@ def summarize(run: BenchRun, *, date: str, commit: str | None) -> dict[str, Any]
 
 
 def _by_turn(ok: list[RequestResult]) -> dict[str, Any]:
-    """Dialogues (turns > 1): the first turns' and the later turns' first-token times, and the
-    share of the later turns' prompts that the prefix cache served."""
+    """Dialogues (turns > 1): the first turns' and the later turns' first-token times, the
+    share of the later turns' prompts that the prefix cache served, and the tokens each
+    later turn computed (its prompt less what the cache served)."""
     later = [result for result in ok if result.turn > 1]
     if not later:
         return {}
@@ -69,6 +70,9 @@ def _by_turn(ok: list[RequestResult]) -> dict[str, Any]:
             sum(r.cached_tokens for r in later) / num_input if num_input else None
         ),
         "later_turns_input_tokens_mean": num_input / len(later),
+        "later_turns_computed_tokens_mean": (
+            sum(r.input_tokens - r.cached_tokens for r in later) / len(later)
+        ),
     }
 
 
@@ -136,9 +140,11 @@ def format_table(summary: dict[str, Any]) -> str:
         cells = "".join(_cell(row[name]) for name in ("p50", "p90", "p99", "mean"))
         lines.append(f"{label:<20}{cells}")
     if summary.get("later_turns_cached_share") is not None:
-        lines.append(f"{'prefix cache':<20}{summary['later_turns_cached_share']:>10.1%}  of the "
-                     f"later turns' prompts (mean {summary['later_turns_input_tokens_mean']:.0f}"
-                     " tokens)")  # fmt: skip
+        share = summary["later_turns_cached_share"]
+        computed = summary["later_turns_computed_tokens_mean"]
+        lines.append(f"{'prefix cache':<20}{share:>10.1%}  of the later turns' prompts (mean "
+                     f"{summary['later_turns_input_tokens_mean']:.0f} tokens, {computed:.0f} "
+                     "computed a turn)")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
