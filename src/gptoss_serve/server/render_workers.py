@@ -51,7 +51,8 @@ class RenderWorkers:
         self._broken = 0  # pools whose worker died
 
     async def start(self) -> None:
-        """Start the worker processes and load the vocabulary in each (a no-op with none).
+        """Start the worker processes, one vocabulary load given to the pool per process (a
+        no-op with none; with several, the pool may give two loads to one of them).
         A worker that dies starting (a program that builds the app without a ``__main__``
         guard: the spawn runs it again) counts as a broken pool; the server serves on."""
         if not self.processes or self._broken >= MAX_BROKEN_POOLS:
