@@ -159,6 +159,23 @@ def test_an_answer_comes_back_as_generated_with_the_history_terminator(served) -
     assert any(prompt[i : i + len(replayed)] == replayed for i in range(len(prompt)))
 
 
+def test_an_answer_after_reasoning_is_not_kept(served) -> None:
+    """The next turn drops the reasoning (Harmony's rule), so what came after it never
+    recurs: keeping it would only push out what does."""
+    url, client, engine = served
+    answer = [
+        *harmony_tokens(
+            "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant"
+            "<|channel|>final<|message|>Hel"
+        ),
+        *harmony_tokens("lo!<|return|>"),
+    ]
+    engine.queue(answer)
+    client.responses.create(model="demo", input="Hi")
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "gptoss_replay_cache_messages 0.0" in metrics
+
+
 def test_a_changed_call_and_a_server_without_replays_render_as_harmony_does() -> None:
     for config in (ServerConfig(replay_cache_tokens=0), ServerConfig()):
         for _, client, engine in serve(config):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gptoss_serve.harmony import adapter
-from gptoss_serve.harmony.conversation import MessageDone, ParseEvent
+from gptoss_serve.harmony.conversation import Item, Message, MessageDone, ParseEvent, Reasoning
 from gptoss_serve.harmony.render import render_item
 from gptoss_serve.harmony.replay import GeneratedMessages
 from gptoss_serve.server.conversation import output_to_items
@@ -57,15 +57,23 @@ class GeneratedTokens:
         if not messages.max_tokens:
             return 0
         spans = {index: (first, end) for index, first, end in self.messages}
+        items = output_to_items([entry.model_dump(mode="json", by_alias=True) for entry in output])
+        if len(items) != len(output):
+            logger.warning("%d output items became %d history items", len(output), len(items))
+            return 0
+        # A response that ends in an answer has its reasoning dropped from the next prompt
+        # (Harmony's rule, render.py): nothing from its first reasoning on can come back.
+        answered = any(_is_answer(item) for item in items)
         entries = []
-        for index, entry in enumerate(output):
-            items = output_to_items([entry.model_dump(mode="json", by_alias=True)])
-            if len(items) != 1:
-                logger.warning("output item %d did not convert to one history item", index)
+        for index, item in enumerate(items):
+            if answered and isinstance(item, Reasoning):
                 break
-            (item,) = items
             if len(getattr(item, "text", None) or getattr(item, "arguments", "")) > MAX_KEPT_CHARS:
                 break
             first, end = spans.get(index, (0, 0))
             entries.append((first, end, render_item(item)))
         return messages.remember(prompt_ids, self.token_ids, entries)
+
+
+def _is_answer(item: Item) -> bool:
+    return isinstance(item, Message) and item.role == "assistant" and item.channel == "final"
