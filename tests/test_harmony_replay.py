@@ -71,8 +71,8 @@ def test_render_item_is_the_items_own_run_of_the_prompt() -> None:
 def test_a_tool_loop_continues_what_was_generated_turn_after_turn() -> None:
     messages = GeneratedMessages(1 << 10)
     first, generated = respond(messages, (ASK,), [(THINK, GENERATED_THINK), (CALL, GENERATED_CALL)])
-    assert messages.num_messages == 2
-    assert messages.num_tokens == len(GENERATED_THINK) + 2 + len(GENERATED_CALL)
+    assert messages.stats().num_messages == 2
+    assert messages.stats().num_tokens == len(GENERATED_THINK) + 2 + len(GENERATED_CALL)
     loop = (ASK, THINK, CALL, OUTPUT)
     second = messages.replay(prompt(*loop))
     assert second[: len(first) + len(generated)] == first + generated
@@ -106,7 +106,7 @@ def test_a_message_replays_only_after_what_preceded_it() -> None:
                        '<|message|>{"city": "Os'), *tokens('lo"}<|call|>')]  # fmt: skip
     respond(messages, (ASK,), [(CALL, GENERATED_CALL[2:])])
     respond(messages, (other,), [(CALL, spelled)])
-    assert messages.num_messages == 2
+    assert messages.stats().num_messages == 2
     for ask, generated in ((ASK, GENERATED_CALL[2:]), (other, spelled)):
         rendered = prompt(ask, CALL, OUTPUT)
         replayed = messages.replay(rendered)
@@ -140,7 +140,7 @@ def test_what_renders_the_same_or_is_not_a_whole_message_is_not_kept() -> None:
     for generated in (rendered[2:], cut, inner, []):
         respond(messages, (ASK,), [(THINK, generated)])
     respond(messages, (ASK,), [(Message("user", "Hi"), GENERATED_CALL[2:])])
-    assert messages.num_messages == 0
+    assert messages.stats().num_messages == 0
     plain = prompt(ASK, THINK, CALL)
     assert messages.replay(plain) is plain
 
@@ -162,7 +162,7 @@ def test_the_least_recently_replayed_go_first_past_the_bound() -> None:
     first = prompt(asks[0], CALL)
     assert messages.replay(first) != first  # 0 used: 1 is now the oldest
     respond(messages, (asks[2],), [(CALL, GENERATED_CALL[2:])])
-    assert messages.num_messages == 2 and messages.num_tokens == 2 * size
+    assert messages.stats().num_messages == 2 and messages.stats().num_tokens == 2 * size
     assert messages.replay(first) != first
     second = prompt(asks[1], CALL)
     assert messages.replay(second) == second
@@ -171,6 +171,6 @@ def test_the_least_recently_replayed_go_first_past_the_bound() -> None:
 def test_off_keeps_nothing() -> None:
     messages = GeneratedMessages(0)
     respond(messages, (ASK,), [(CALL, GENERATED_CALL[2:])])
-    assert messages.num_messages == 0
+    assert messages.stats().num_messages == 0
     with pytest.raises(ValueError, match="max_tokens"):
         GeneratedMessages(-1)

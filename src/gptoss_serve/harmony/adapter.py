@@ -87,6 +87,12 @@ def vocabulary() -> Vocabulary:
     return Vocabulary(ordinary, special, size)
 
 
+@functools.cache
+def message_end_token_ids() -> frozenset[int]:
+    """The tokens that close a message: ``<|end|>``, ``<|return|>`` and ``<|call|>``."""
+    return frozenset(special_token_id(text) for text in ("<|end|>", "<|return|>", "<|call|>"))
+
+
 def assistant_stop_token_ids() -> tuple[int, ...]:
     """Stop sampling at ``<|return|>`` or ``<|call|>`` only (never ``<|end|>``)."""
     return tuple(encoding().stop_tokens_for_assistant_actions())

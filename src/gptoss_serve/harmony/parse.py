@@ -89,9 +89,7 @@ class HarmonyStreamParser:
         self._start_id = adapter.special_token_id("<|start|>")
         self._message_id = adapter.special_token_id("<|message|>")
         self._channel_id = adapter.special_token_id("<|channel|>")
-        self._end_ids = frozenset(
-            adapter.special_token_id(text) for text in ("<|end|>", "<|return|>", "<|call|>")
-        )
+        self._end_ids = adapter.message_end_token_ids()
         self._parser = adapter.MessageTokenParser(after_start=True)
         self._phase = _Phase.HEADER
         self._header = _HeaderChannel(self._channel_id)

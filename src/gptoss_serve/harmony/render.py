@@ -75,7 +75,7 @@ def _visible_items(items: Sequence[Item]) -> list[Item]:
     the model saw that analysis in an earlier turn, which is over. Reasoning after it belongs to
     the turn in progress (a tool loop) and is kept."""
     last_final = max(
-        (index for index, item in enumerate(items) if _is_final_answer(item)), default=-1
+        (index for index, item in enumerate(items) if is_final_answer(item)), default=-1
     )
     return [
         item
@@ -85,7 +85,8 @@ def _visible_items(items: Sequence[Item]) -> list[Item]:
     ]
 
 
-def _is_final_answer(item: Item) -> bool:
+def is_final_answer(item: Item) -> bool:
+    """An assistant answer: the reasoning before the last one drops out of a prompt."""
     return (
         isinstance(item, Message) and item.role == "assistant" and item.channel in ("final", None)
     )

@@ -67,17 +67,7 @@ class GeneratedMessages:
         self._lock = threading.Lock()
         self._start_id = adapter.special_token_id("<|start|>")
         self._role = [self._start_id, *adapter.encode("assistant")]
-        self._end_ids = frozenset(
-            adapter.special_token_id(text) for text in ("<|end|>", "<|return|>", "<|call|>")
-        )
-
-    @property
-    def num_messages(self) -> int:
-        return len(self._messages)
-
-    @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
+        self._end_ids = adapter.message_end_token_ids()
 
     def stats(self) -> ReplayStats:
         with self._lock:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gptoss_serve.harmony import adapter
-from gptoss_serve.harmony.conversation import Item, Message, MessageDone, ParseEvent, Reasoning
-from gptoss_serve.harmony.render import render_item
+from gptoss_serve.harmony.conversation import MessageDone, ParseEvent, Reasoning
+from gptoss_serve.harmony.render import is_final_answer, render_item
 from gptoss_serve.harmony.replay import GeneratedMessages
 from gptoss_serve.server.conversation import output_to_items
 
@@ -31,9 +31,7 @@ class GeneratedTokens:
         self.messages: list[tuple[int, int, int]] = []  # (output index, first token, end)
         self._start = 0  # where the message being generated began
         self._start_id = adapter.special_token_id("<|start|>")
-        self._end_ids = frozenset(
-            adapter.special_token_id(text) for text in ("<|end|>", "<|return|>", "<|call|>")
-        )
+        self._end_ids = adapter.message_end_token_ids()
 
     def add(
         self, token_id: int, began: bool, open_item: int | None, parsed: Sequence[ParseEvent]
@@ -63,7 +61,7 @@ class GeneratedTokens:
             return 0
         # A response that ends in an answer has its reasoning dropped from the next prompt
         # (Harmony's rule, render.py): nothing from its first reasoning on can come back.
-        answered = any(_is_answer(item) for item in items)
+        answered = any(is_final_answer(item) for item in items)
         entries = []
         for index, item in enumerate(items):
             if answered and isinstance(item, Reasoning):
@@ -73,7 +71,3 @@ class GeneratedTokens:
             first, end = spans.get(index, (0, 0))
             entries.append((first, end, render_item(item)))
         return messages.remember(prompt_ids, self.token_ids, entries)
-
-
-def _is_answer(item: Item) -> bool:
-    return isinstance(item, Message) and item.role == "assistant" and item.channel == "final"
