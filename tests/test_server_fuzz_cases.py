@@ -134,7 +134,7 @@ def test_the_sdk_output_fields_of_calls_are_taken_back(client: TestClient) -> No
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"call": {"namespace": "tools"}}, "input[1].namespace"),
+        ({"call": {"namespace": "not a name"}}, "input[1].namespace"),
         ({"call": {"async": True}}, "input[1].async"),
         ({"call": {"async": 0}}, "input[1].async"),  # not a bool (0 == False in Python)
         ({"output": {"caller": {"type": "program", "caller_id": "p"}}}, "input[2].caller.type"),

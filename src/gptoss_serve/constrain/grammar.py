@@ -10,7 +10,10 @@ which ``adapter.py`` compiles. Generation starts right after the prompt's
     preamble  := <|channel|>commentary<|message|> TEXT(<= preamble cap) <|end|> <|start|>assistant
     answer    := final | call
     final     := <|channel|>final<|message|> (TEXT | JSON(schema)) <|return|>
-    call      := <|channel|>commentary to=functions.NAME <|constrain|>json<|message|> JSON <|call|>
+    call      := <|channel|>commentary to=RECIPIENT <|constrain|>json<|message|> JSON <|call|>
+
+A call's recipient is ``functions.NAME`` for a top-level function and ``NAMESPACE.NAME`` for
+a function of a ``namespace`` tool.
 
 This is the form our renderer writes and openai-harmony parses (docs/constrained-decoding.md).
 The analysis opens a plain turn (no JSON format, no forced call), as in gpt-oss's own turns,
@@ -39,10 +42,15 @@ _FREE_TEXT = "/(?s:.*)/"
 @dataclass(frozen=True)
 class ToolConstraint:
     """A function a call may go to; ``parameters`` is the schema its arguments must match
-    (None: any JSON object)."""
+    (None: any JSON object); ``namespace`` the Harmony namespace it is declared in."""
 
     name: str
     parameters: dict[str, Any] | None = None
+    namespace: str = "functions"
+
+    @property
+    def recipient(self) -> str:
+        return f"{self.namespace}.{self.name}"
 
 
 @dataclass(frozen=True)
@@ -126,11 +134,13 @@ def build_grammar(spec: ConstraintSpec) -> str:
 
 def _call_rules(tools: tuple[ToolConstraint, ...]) -> list[str]:
     calls = " | ".join(f"call_{index}" for index in range(len(tools)))
-    lines = [f'call: <|channel|> "commentary to=functions." ({calls})']
+    lines = [f'call: <|channel|> "commentary to=" ({calls})']
     for index, tool in enumerate(tools):
-        # Tool names are [a-zA-Z0-9_-]+ (the protocol checks it): safe in a string literal.
+        # Tool and namespace names are [a-zA-Z0-9_-]+ (the protocol checks it): safe in a
+        # string literal.
         lines += [
-            f'call_{index}: "{tool.name} " <|constrain|> "json" <|message|> args_{index} <|call|>',
+            f'call_{index}: "{tool.recipient} " <|constrain|> "json" <|message|> args_{index} '
+            "<|call|>",
             f"args_{index}: {json_grammar(tool.parameters or ANY_OBJECT)}",
         ]
     return lines

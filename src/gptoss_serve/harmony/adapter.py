@@ -10,11 +10,13 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import openai_harmony as oh
+
+from gptoss_serve.harmony.conversation import FUNCTIONS as FUNCTIONS_NAMESPACE
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +157,13 @@ class MessageTokenParser:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A function tool of the ``functions`` namespace, in plain data."""
+    """A function tool, in plain data: of the ``functions`` namespace unless ``namespace``
+    names another."""
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON Schema of the arguments object
+    namespace: str = FUNCTIONS_NAMESPACE
 
 
 @dataclass(frozen=True)
@@ -194,13 +198,20 @@ def render_completion_prompt(
     has_developer: bool = False,
     instructions: str | None = None,
     tools: Sequence[ToolSpec] = (),
+    namespace_descriptions: Mapping[str, str | None] | None = None,
 ) -> list[int]:
-    """System (+ developer) + history, ending with ``<|start|>assistant``.
+    """System (+ developer) + history, ending with ``<|start|>assistant``. The developer
+    message declares ``tools`` by namespace: ``functions`` first, then the others in the order
+    their first tool comes, each with its entry of ``namespace_descriptions`` above it.
 
     The library's automatic analysis drop is off: the caller applies its own rule.
     """
     system = _system_message(reasoning_effort, today, channels)
-    developer = [_developer_message(instructions, tools)] if has_developer else []
+    developer = (
+        [_developer_message(instructions, tools, namespace_descriptions or {})]
+        if has_developer
+        else []
+    )
     history = [_history_message(spec) for spec in messages]
     conversation = oh.Conversation.from_messages([system, *developer, *history])
     config = oh.RenderConversationConfig(auto_drop_analysis=False)
@@ -227,16 +238,23 @@ def _system_message(reasoning_effort: str, today: dt.date, channels: Sequence[st
     return oh.Message.from_role_and_content(oh.Role.SYSTEM, system)
 
 
-def _developer_message(instructions: str | None, tools: Sequence[ToolSpec]) -> oh.Message:
+def _developer_message(
+    instructions: str | None, tools: Sequence[ToolSpec], namespaces: Mapping[str, str | None]
+) -> oh.Message:
     developer = oh.DeveloperContent.new()
     if instructions:
         developer = developer.with_instructions(instructions)
-    if tools:
+    by_namespace: dict[str, list[oh.ToolDescription]] = {FUNCTIONS_NAMESPACE: []}
+    for tool in tools:
         # ToolDescription wants a str; an empty description renders no `//` line.
-        descriptions = [
-            oh.ToolDescription.new(t.name, t.description or "", t.parameters) for t in tools
-        ]
-        developer = developer.with_function_tools(descriptions)
+        description = oh.ToolDescription.new(tool.name, tool.description or "", tool.parameters)
+        by_namespace.setdefault(tool.namespace, []).append(description)
+    for name, descriptions in by_namespace.items():
+        if descriptions:
+            config = oh.ToolNamespaceConfig(
+                name=name, description=namespaces.get(name), tools=descriptions
+            )
+            developer = developer.with_tools(config)
     return oh.Message.from_role_and_content(oh.Role.DEVELOPER, developer)
 
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["user", "assistant", "system", "developer"]
+# The Harmony namespace of the Responses API's top-level function tools: the model calls
+# ``functions.{name}``. A ``namespace`` tool's functions are called ``{namespace}.{name}``.
+FUNCTIONS = "functions"
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,33 @@ class FunctionTool:
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON Schema of the arguments object
     strict: bool = False
+    namespace: str = FUNCTIONS
+
+    @property
+    def recipient(self) -> str:
+        """What the model writes after ``to=`` to call it."""
+        return f"{self.namespace}.{self.name}"
+
+
+@dataclass(frozen=True)
+class ToolNamespace:
+    """A namespace of tools besides ``functions`` (a ``namespace`` tool), as the developer
+    message introduces it: its name and the description rendered above its functions."""
+
+    name: str
+    description: str | None = None
+
+
+def split_recipient(recipient: str, namespaces: frozenset[str]) -> tuple[str | None, str]:
+    """(namespace, name) of a call's recipient: ``functions.f`` is (None, "f") as the API
+    reports a top-level function; ``ns.f`` for a declared namespace ``ns`` is ("ns", "f"); any
+    other recipient (a tool nobody declared) is (None, the recipient as written)."""
+    prefix, dot, name = recipient.partition(".")
+    if dot and prefix == FUNCTIONS:
+        return None, name
+    if dot and prefix in namespaces:
+        return prefix, name
+    return None, recipient
 
 
 @dataclass(frozen=True)
@@ -47,22 +77,33 @@ class Message:
 
 @dataclass(frozen=True)
 class FunctionCall:
-    """An assistant call: rendered as a commentary message to ``functions.{name}``
+    """An assistant call: rendered as a commentary message to ``{namespace}.{name}``
     with content type ``<|constrain|>json``."""
 
     call_id: str
     name: str
     arguments: str
+    namespace: str = FUNCTIONS
+
+    @property
+    def recipient(self) -> str:
+        return f"{self.namespace}.{self.name}"
 
 
 @dataclass(frozen=True)
 class FunctionCallOutput:
-    """A tool result: rendered as a message from ``functions.{name}`` to assistant on
-    commentary. ``name`` is resolved by the caller from the matching FunctionCall."""
+    """A tool result: rendered as a message from ``{namespace}.{name}`` to assistant on
+    commentary. ``name`` and ``namespace`` are resolved by the caller from the matching
+    FunctionCall."""
 
     call_id: str
     name: str
     output: str
+    namespace: str = FUNCTIONS
+
+    @property
+    def author(self) -> str:
+        return f"{self.namespace}.{self.name}"
 
 
 @dataclass(frozen=True)
@@ -80,7 +121,8 @@ class RenderRequest:
     items: tuple[Item, ...]
     instructions: str | None = None
     reasoning_effort: Literal["low", "medium", "high"] = "medium"
-    tools: tuple[FunctionTool, ...] = ()
+    tools: tuple[FunctionTool, ...] = ()  # every callable function, of every namespace
+    namespaces: tuple[ToolNamespace, ...] = ()  # those of the tools besides ``functions``
     response_format: ResponseFormat | None = None
     today: dt.date = field(default_factory=dt.date.today)
 

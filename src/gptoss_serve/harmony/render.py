@@ -34,7 +34,10 @@ def render_prompt(request: RenderRequest) -> list[int]:
     messages = [_message_spec(item) for item in _visible_items(request.items)]
     # `commentary` is where function calls go; without tools the model should not use it.
     channels = ("analysis", "commentary", "final") if request.tools else ("analysis", "final")
-    tools = [adapter.ToolSpec(t.name, t.description, t.parameters) for t in request.tools]
+    tools = [
+        adapter.ToolSpec(t.name, t.description, t.parameters, t.namespace) for t in request.tools
+    ]
+    namespaces = {namespace.name: namespace.description for namespace in request.namespaces}
     token_ids = adapter.render_completion_prompt(
         messages,
         reasoning_effort=request.reasoning_effort,
@@ -43,6 +46,7 @@ def render_prompt(request: RenderRequest) -> list[int]:
         has_developer=has_developer,
         instructions=instructions or None,
         tools=tools,
+        namespace_descriptions=namespaces,
     )
     if request.response_format is not None:
         token_ids = _insert_response_format(token_ids, request.response_format)
@@ -105,14 +109,14 @@ def _message_spec(item: Item) -> adapter.MessageSpec:
                 "assistant",
                 item.arguments,
                 channel="commentary",
-                recipient=f"functions.{item.name}",
+                recipient=item.recipient,
                 content_type="<|constrain|>json",
             )
         case FunctionCallOutput():
             return adapter.MessageSpec(
                 "tool",
                 item.output,
-                author_name=f"functions.{item.name}",
+                author_name=item.author,
                 channel="commentary",
                 recipient="assistant",
             )

@@ -20,15 +20,17 @@ from gptoss_serve.constrain.grammar import (
     build_grammar,
     schema_grammar,
 )
+from gptoss_serve.harmony.conversation import FUNCTIONS
 from gptoss_serve.server.errors import bad_request
 from gptoss_serve.server.protocol import (
     CreateResponseRequest,
-    FunctionToolParam,
+    FunctionSpec,
     TextFormatJsonObject,
     TextFormatJsonSchema,
     ToolChoiceAllowed,
     ToolChoiceFunction,
 )
+from gptoss_serve.server.tools import declared_functions
 
 logger = logging.getLogger(__name__)
 
@@ -62,22 +64,25 @@ def constraint_grammar(request: CreateResponseRequest, budget: int) -> str:
 
 
 def constraint_spec(request: CreateResponseRequest, budget: int) -> ConstraintSpec:
-    """tool_choice and text.format as a ConstraintSpec (the tool names are already checked)."""
+    """tool_choice and text.format as a ConstraintSpec (the tool names are already checked:
+    tool_choice names top-level functions)."""
     choice = request.tool_choice
-    callable_names = [tool.name for tool in request.tools]
+    functions = declared_functions(request.tools)
     require_call = choice == "required"
     if choice == "none":
-        callable_names = []
+        functions = []
     elif isinstance(choice, ToolChoiceFunction):
-        callable_names, require_call = [choice.name], True
+        functions = [
+            f for f in functions if f.namespace == FUNCTIONS and f.spec.name == choice.name
+        ]
+        require_call = True
     elif isinstance(choice, ToolChoiceAllowed):
         listed = {ref.name for ref in choice.tools}
-        callable_names = [name for name in callable_names if name in listed]
+        functions = [f for f in functions if f.namespace == FUNCTIONS and f.spec.name in listed]
         require_call = choice.mode == "required"
-    by_name = {tool.name: tool for tool in request.tools}
     tools = tuple(
-        ToolConstraint(name, _arguments_schema(by_name[name], require_call))
-        for name in callable_names
+        ToolConstraint(f.spec.name, _arguments_schema(f.spec, require_call), f.namespace)
+        for f in functions
     )
     response_schema = _response_schema(request)
     return ConstraintSpec(
@@ -91,7 +96,7 @@ def constraint_spec(request: CreateResponseRequest, budget: int) -> ConstraintSp
     )
 
 
-def _arguments_schema(tool: FunctionToolParam, is_forced: bool) -> dict[str, Any]:
+def _arguments_schema(tool: FunctionSpec, is_forced: bool) -> dict[str, Any]:
     """A strict tool's arguments always match its parameters, and so do a forced call's;
     otherwise they are any JSON object."""
     if (tool.strict or is_forced) and tool.parameters is not None:
@@ -116,10 +121,11 @@ def _enforced_schemas(
     schemas = []
     if isinstance(request.text.format, TextFormatJsonSchema):
         schemas.append((request.text.format.schema_, "text.format.schema"))
-    enforced = {tool.name for tool in spec.tools if tool.parameters is not ANY_OBJECT}
-    for index, tool in enumerate(request.tools):
-        if tool.parameters is not None and (tool.strict or tool.name in enforced):
-            schemas.append((tool.parameters, f"tools[{index}].parameters"))
+    enforced = {tool.recipient for tool in spec.tools if tool.parameters is not ANY_OBJECT}
+    for function in declared_functions(request.tools):
+        tool = function.spec
+        if tool.parameters is not None and (tool.strict or function.recipient in enforced):
+            schemas.append((tool.parameters, f"{function.param}.parameters"))
     return schemas
 
 

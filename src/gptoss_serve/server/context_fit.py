@@ -44,14 +44,15 @@ ITEM_CHARS = 64
 
 def render_chars(render: RenderRequest) -> int:
     """The size of a render in characters of text: the items' texts and ITEM_CHARS an item,
-    the instructions, and the tools' and the response format's names, descriptions and
-    schemas (as JSON)."""
+    the instructions, the tools' and the response format's names, descriptions and schemas
+    (as JSON), and the tool namespaces' names and descriptions."""
     size = input_chars(render.items) + ITEM_CHARS * len(render.items)
     size += len(render.instructions or "")
     specs = [*render.tools, *([render.response_format] if render.response_format else [])]
     for spec in specs:
         schema = spec.parameters if isinstance(spec, FunctionTool) else spec.schema
         size += len(spec.name) + len(spec.description or "") + len(json.dumps(schema or {}))
+    size += sum(len(space.name) + len(space.description or "") for space in render.namespaces)
     return size
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from gptoss_serve.harmony.conversation import (
+    FUNCTIONS,
     FunctionCall,
     FunctionCallOutput,
     Item,
@@ -49,9 +50,13 @@ def item_from_json(data: dict[str, Any]) -> Item:
     return _KINDS[fields.pop("kind")](**fields)
 
 
-def call_names(items: list[Item]) -> dict[str, str]:
-    """call_id -> function name, for every call in the conversation so far."""
-    return {item.call_id: item.name for item in items if isinstance(item, FunctionCall)}
+def call_names(items: list[Item]) -> dict[str, tuple[str, str]]:
+    """call_id -> (function name, namespace), for every call in the conversation so far."""
+    return {
+        item.call_id: (item.name, item.namespace)
+        for item in items
+        if isinstance(item, FunctionCall)
+    }
 
 
 class InputConverter:
@@ -76,17 +81,19 @@ class InputConverter:
         if isinstance(raw, InputMessage):
             self._add_message(raw, param)
         elif isinstance(raw, FunctionCallItem):
-            self._calls[raw.call_id] = raw.name
-            self.items.append(FunctionCall(raw.call_id, raw.name, raw.arguments))
+            namespace = raw.namespace or FUNCTIONS
+            self._calls[raw.call_id] = (raw.name, namespace)
+            self.items.append(FunctionCall(raw.call_id, raw.name, raw.arguments, namespace))
             self.listed.append(_listed(raw, "fc"))
         elif isinstance(raw, FunctionCallOutputItem):
-            name = self._calls.get(raw.call_id)
-            if name is None:
+            call = self._calls.get(raw.call_id)
+            if call is None:
                 raise bad_request(
                     f"No tool call found for function call output with call_id {raw.call_id}.",
                     f"{param}.call_id",
                 )
-            self.items.append(FunctionCallOutput(raw.call_id, name, raw.text()))
+            name, namespace = call
+            self.items.append(FunctionCallOutput(raw.call_id, name, raw.text(), namespace))
             self.listed.append(_listed(raw, "fco"))
         elif isinstance(raw, ReasoningItem):
             self.items.append(Reasoning(_reasoning_text(raw, param)))
@@ -174,5 +181,8 @@ def output_to_items(output: list[dict[str, Any]]) -> list[Item]:
             channel = "commentary" if entry.get("phase") == "commentary" else "final"
             items.append(Message("assistant", text, channel))
         elif entry["type"] == "function_call":
-            items.append(FunctionCall(entry["call_id"], entry["name"], entry["arguments"]))
+            namespace = entry.get("namespace") or FUNCTIONS
+            items.append(
+                FunctionCall(entry["call_id"], entry["name"], entry["arguments"], namespace)
+            )
     return items

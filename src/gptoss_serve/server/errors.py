@@ -147,6 +147,11 @@ def from_validation_error(error: RequestValidationError, body: Any) -> APIError:
         return bad_request(*bound)
     template = _MESSAGES.get(kind, "Invalid value for '{param}': {msg}.")
     message = template.format(param=param, msg=first.get("msg", "invalid").rstrip("."))
+    context = first.get("ctx") or {}
+    if kind == "union_tag_invalid" and "tag" in context and "expected_tags" in context:
+        # The tag as JSON (ASCII: a lone surrogate would not encode), and what is served.
+        message = (f"Invalid value for '{param}': {json.dumps(str(context['tag']))} is not a "
+                   f"supported type (supported: {context['expected_tags']}).")  # fmt: skip
     return bad_request(message, param, _CODES.get(kind, "invalid_value"))
 
 

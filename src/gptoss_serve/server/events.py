@@ -8,7 +8,7 @@ the same ``id``/``call_id`` in every event and in the final object.
 How Harmony messages map to output items:
   analysis (or an unknown channel)       -> reasoning item
   final, no channel, commentary without a recipient (a preamble) -> message item
-  any message with a recipient (``functions.name``)              -> function_call item
+  any message with a recipient (``functions.name``, ``namespace.name``) -> function_call item
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptoss_serve.harmony.conversation import ContentDelta, MessageDone, MessageStarted, ParseEvent
+from gptoss_serve.harmony.conversation import (
+    ContentDelta,
+    MessageDone,
+    MessageStarted,
+    ParseEvent,
+    split_recipient,
+)
 from gptoss_serve.server.objects import (
     FunctionCallOutputObject,
     MessageOutput,
@@ -29,7 +35,6 @@ from gptoss_serve.server.objects import (
 from gptoss_serve.server.reasoning_seal import seal
 
 Event = dict[str, Any]
-FUNCTIONS_PREFIX = "functions."
 
 
 @dataclass
@@ -39,6 +44,7 @@ class OpenItem:
     item_id: str
     channel: str | None
     name: str = ""
+    namespace: str | None = None  # a call's, when it goes to a `namespace` tool's function
     call_id: str = ""
     # The text so far, as its deltas: appending to one string copies it every token, which
     # for a 30k-token reasoning was 0.26 s of the event loop (quadratic in the length).
@@ -114,8 +120,8 @@ def _open(state: StreamState, started: MessageStarted) -> list[Event]:
     prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
     item = OpenItem(kind, len(state.response.output), new_id(prefix), started.channel)
     if kind == "function_call":
-        recipient = started.recipient or ""
-        item.name = recipient.removeprefix(FUNCTIONS_PREFIX)
+        declared = frozenset(t.name for t in state.response.tools if t.type == "namespace")
+        item.namespace, item.name = split_recipient(started.recipient or "", declared)
         item.call_id = new_id("call")
     state.current = item
     state.response.output.append(_item_object(item, "in_progress", with_part=False))
@@ -257,6 +263,7 @@ def _item_object(item: OpenItem, status: str, *, with_part: bool, sealed: bool =
             id=item.item_id,
             call_id=item.call_id,
             name=item.name,
+            namespace=item.namespace,
             arguments=item.text if with_part else "",
             status=status,
         )

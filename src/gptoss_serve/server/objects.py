@@ -9,13 +9,19 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, Field
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from gptoss_serve.server.protocol import (
-    FunctionToolParam,
     ReasoningConfig,
     TextConfig,
     ToolChoice,
+    ToolParam,
 )
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -64,8 +70,20 @@ class FunctionCallOutputObject(BaseModel):
     id: str
     call_id: str
     name: str
+    # The `namespace` tool the function belongs to; absent for a top-level function.
+    namespace: str | None = None
     arguments: str
     status: ItemStatus = "completed"
+
+    @model_serializer(mode="wrap")
+    def _without_null_namespace(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> dict[str, Any]:
+        del info
+        data = handler(self)
+        if data.get("namespace") is None:
+            data.pop("namespace", None)
+        return data
 
 
 OutputItem = Annotated[
@@ -130,7 +148,7 @@ class ResponseObject(BaseModel):
     temperature: float | None = None
     text: TextConfig = Field(default_factory=TextConfig)
     tool_choice: ToolChoice = "auto"
-    tools: list[FunctionToolParam] = Field(default_factory=list)
+    tools: list[ToolParam] = Field(default_factory=list)
     top_logprobs: int | None = None
     top_p: float | None = None
     truncation: Literal["auto", "disabled"] = "disabled"

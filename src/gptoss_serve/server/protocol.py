@@ -83,9 +83,11 @@ class FunctionCallItem(StrictModel):
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     # What the SDK's output objects carry back (`input += response.output`, dumped with their
-    # nulls): a direct call, in no namespace, not async, the only kind this server makes.
+    # nulls): a direct call, not async, the only kind this server makes; a `namespace` tool's
+    # function names its namespace (null or "functions": a top-level function).
     caller: CallerDirect | None = None
-    namespace: None = None
+    namespace: str | None = Field(default=None, min_length=1, max_length=64,
+                                  pattern=r"^[a-zA-Z0-9_-]+$")  # fmt: skip
     # A bool that must be false (Literal[False] would take 0: 0 == False in Python).
     async_: bool | None = Field(default=None, alias="async")
 
@@ -104,8 +106,9 @@ class FunctionCallOutputItem(StrictModel):
     output: str | list[InputText]
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     caller: CallerDirect | None = None
-    name: str | None = None  # the call's, found by call_id either way
-    namespace: None = None
+    # The call's, found by call_id either way.
+    name: str | None = None
+    namespace: str | None = None
 
     def text(self) -> str:
         if isinstance(self.output, str):
@@ -219,6 +222,10 @@ def _schema_problem(schema_json: str) -> tuple[str, str] | None:
     return None
 
 
+# The most functions a request declares (the real API's limit), namespaces' included.
+MAX_TOOLS = 128
+
+
 class FunctionSpec(StrictModel):
     """A function as both APIs describe it (Chat Completions nests it under ``function``)."""
 
@@ -232,6 +239,26 @@ class FunctionSpec(StrictModel):
 
 class FunctionToolParam(FunctionSpec):
     type: Literal["function"]
+
+
+class NamespaceFunctionParam(FunctionSpec):
+    """A function of a ``namespace`` tool (custom tools there are not served: a 400)."""
+
+    type: Literal["function"]
+
+
+class NamespaceToolParam(StrictModel):
+    """Functions grouped under a name of their own (the SDK's NamespaceTool): the model calls
+    them as ``{name}.{function}``, and a call's item carries ``namespace``. Harmony declares
+    each namespace in the developer message, with its description above its functions."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str
+    tools: list[NamespaceFunctionParam] = Field(min_length=1, max_length=MAX_TOOLS)
+
+
+ToolParam = Annotated[FunctionToolParam | NamespaceToolParam, Field(discriminator="type")]
 
 
 class ToolChoiceFunction(StrictModel):
@@ -300,7 +327,6 @@ class StreamOptions(StrictModel):
 
 # The real API's floor on max_output_tokens (below it: integer_below_min_value).
 MIN_OUTPUT_TOKENS = 16
-MAX_TOOLS = 128
 # The largest reasoning_budget: the grammar's counters are unsigned 64-bit (2**64 failed to
 # compile as a server error); no context comes near 2**31 tokens.
 MAX_REASONING_BUDGET = (1 << 31) - 1
@@ -338,8 +364,9 @@ class CreateResponseRequest(StrictModel):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
     instructions: str | None = None
-    # The real API's limit (128 functions); llguidance's grammar of the tool names panics from 256.
-    tools: list[FunctionToolParam] = Field(default_factory=list, max_length=MAX_TOOLS)
+    # The real API's limit (128 functions, counted across namespaces by responses.py);
+    # llguidance's grammar of the tool names panics from 256.
+    tools: list[ToolParam] = Field(default_factory=list, max_length=MAX_TOOLS)
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = Field(default_factory=TextConfig)
@@ -365,6 +392,10 @@ class CreateResponseRequest(StrictModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     stream_options: StreamOptions | None = None
+    # A client's own labels of the request (the Codex CLI sends its session and turn ids):
+    # accepted and ignored, as the official API takes them; not echoed, nor limited as
+    # `metadata` is.
+    client_metadata: dict[str, str] | None = None
     # A limit on calls to built-in tools, and this server runs none: honoured as it is (echoed).
     max_tool_calls: int | None = Field(default=None, ge=0, le=MAX_OUTPUT_TOKENS)
     # Extension (not in the official API): most tokens of analysis text before the answer must
@@ -397,7 +428,7 @@ class InputTokenCountRequest(StrictModel):
     model: str | None = Field(default=None, min_length=1)
     input: str | list[InputItem] | None = None
     instructions: str | None = None
-    tools: list[FunctionToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None

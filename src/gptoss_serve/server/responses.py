@@ -20,7 +20,6 @@ from gptoss_serve.config import SampledToken, SamplingParams, ServerConfig
 from gptoss_serve.engine.client import EngineClient, EngineError
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import (
-    FunctionTool,
     Item,
     RenderRequest,
     ResponseFormat,
@@ -52,12 +51,11 @@ from gptoss_serve.server.objects import (
 from gptoss_serve.server.protocol import (
     CreateResponseRequest,
     TextFormatJsonSchema,
-    ToolChoiceAllowed,
-    ToolChoiceFunction,
 )
 from gptoss_serve.server.render_workers import RenderWorkers
 from gptoss_serve.server.request_ids import current_request_id
 from gptoss_serve.server.store import ResponseStore
+from gptoss_serve.server.tools import checked_tools
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +201,7 @@ def begin(
         )  # fmt: skip
     _check_values(request.model_dump(by_alias=True, exclude_unset=True))
     _check_unsupported(request)
-    tools = _check_tools(request)
+    tools, namespaces = checked_tools(request)
     history, continues = _history(request, store)
     converter = input_converter(store, history)
     if isinstance(request.input, str):
@@ -221,6 +219,7 @@ def begin(
         instructions=request.instructions,
         reasoning_effort=request.reasoning.effort or config.reasoning_effort,
         tools=tools,
+        namespaces=namespaces,
         response_format=_response_format(request),
     )
     return Draft(
@@ -339,28 +338,6 @@ def _check_values(value: Any, path: str = "") -> None:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _check_values(item, f"{path}[{index}]")
-
-
-def _check_tools(request: CreateResponseRequest) -> tuple[FunctionTool, ...]:
-    names: dict[str, int] = {}
-    for index, tool in enumerate(request.tools):
-        if tool.name in names:
-            raise bad_request(f"Duplicate tool name '{tool.name}'.", f"tools[{index}].name")
-        names[tool.name] = index
-    choice = request.tool_choice
-    needs_tools = choice == "required" or isinstance(choice, ToolChoiceFunction | ToolChoiceAllowed)
-    if needs_tools and not request.tools:
-        raise bad_request("tool_choice requires at least one tool in 'tools'.", "tool_choice")
-    if isinstance(choice, ToolChoiceFunction) and choice.name not in names:
-        raise bad_request(f"Tool '{choice.name}' is not in 'tools'.", "tool_choice.name")
-    if isinstance(choice, ToolChoiceAllowed):
-        for index, ref in enumerate(choice.tools):
-            if ref.name not in names:
-                raise bad_request(f"Tool '{ref.name}' is not in 'tools'.",
-                                  f"tool_choice.tools[{index}].name")  # fmt: skip
-    return tuple(
-        FunctionTool(t.name, t.description, t.parameters, bool(t.strict)) for t in request.tools
-    )
 
 
 def _history(
