@@ -41,10 +41,15 @@ TOOLS = [{"type": "function", "name": "f", "strict": True,
                          "required": ["x"], "additionalProperties": False}}]  # fmt: skip
 # A tool loop's: its argument one of a few words, so that a call ends well within a turn's
 # tokens whatever the weights (an integer's digits can run to the end of the output).
-LOOP_TOOLS = [{"type": "function", "name": "g", "strict": True,
-               "parameters": {"type": "object",
-                              "properties": {"w": {"type": "string", "enum": ["a", "b"]}},
-                              "required": ["w"], "additionalProperties": False}}]  # fmt: skip
+# The same function at the top level and in a `namespace` tool (called `ns.g`), as the Codex
+# CLI declares its sub-agent tools: a call may go to either, and goes back in its namespace.
+LOOP_FUNCTION = {"type": "function", "name": "g", "strict": True,
+                 "parameters": {"type": "object",
+                                "properties": {"w": {"type": "string", "enum": ["a", "b"]}},
+                                "required": ["w"], "additionalProperties": False}}  # fmt: skip
+LOOP_TOOLS = [LOOP_FUNCTION, {"type": "namespace", "name": "ns",
+                              "description": "The same tool in a namespace.",
+                              "tools": [LOOP_FUNCTION]}]  # fmt: skip
 KINDS = ("chat_n", "chat_stream_n", "chat_stream_cut", "chat_stop", "responses_stream_cut",
          "timeout", "background_cancel", "json_schema", "tool_required", "long",
          "chain", "tool_loop")  # fmt: skip
@@ -110,6 +115,8 @@ class Soak:
         self.base, self.model = base, model
         self.codes: collections.Counter[str] = collections.Counter()
         self.problems: list[str] = []
+        # A tool loop's completed calls by namespace ("functions": the top-level function).
+        self.loop_calls: collections.Counter[str] = collections.Counter()
 
     def count(self, kind: str, status: int | str) -> None:
         self.codes[f"{kind} {status}"] += 1
@@ -238,7 +245,10 @@ class Soak:
             elif tools is TOOLS:
                 ok = isinstance(json.loads(last["arguments"])["x"], int)
             else:
+                namespace = last.get("namespace", "functions")
                 ok = json.loads(last["arguments"]) in ({"w": "a"}, {"w": "b"})
+                ok = ok and last["name"] == "g" and namespace in ("functions", "ns")
+                self.loop_calls[namespace] += ok
         except (KeyError, IndexError, json.JSONDecodeError):
             ok = False
         if not ok:
@@ -295,6 +305,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         seconds = round(time.perf_counter() - start, 1)
         result.update(seconds=seconds, workers=args.workers, requests=sum(runner.codes.values()),
                       codes=dict(sorted(runner.codes.items())), problems=runner.problems,
+                      loop_calls_by_namespace=dict(runner.loop_calls),
                       after=await idle_after(client, args.base_url))  # fmt: skip
     after = result["after"]
     busy = [k for k, v in after.items() if v and not k.startswith("gptoss_engine_preemptions")]

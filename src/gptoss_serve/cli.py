@@ -612,10 +612,14 @@ def _add_bench_serve_parser(commands: argparse._SubParsersAction) -> None:
                        "tokens (default 1)")  # fmt: skip
     bench.add_argument("--continue-with", choices=serve_load.CONTINUATIONS,
                        default="previous_response_id",
-                       help="how a dialogue's turns follow each other")  # fmt: skip
+                       help="how a dialogue's turns follow each other (items: nothing stored, "
+                       "every item sent back, as the Agents SDK and the Codex CLI do)")  # fmt: skip
     bench.add_argument("--tool-loop", action="store_true",
                        help="each turn must call a tool (tool_choice: required); the next turn "
                        "sends its output, --input-len tokens: an agent's loop")  # fmt: skip
+    bench.add_argument("--tool-namespace", default=None, metavar="NAME",
+                       help="with --tool-loop: the tool inside a namespace tool of this name "
+                       "(called NAME.lookup, as the Codex CLI's sub-agent tools)")  # fmt: skip
     bench.add_argument("--endpoint", choices=tuple(serve_load.ENDPOINTS), default="responses",
                        help="/v1/responses, or /v1/chat/completions")  # fmt: skip
     bench.add_argument("--warmup", type=int, default=0,
@@ -641,6 +645,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             stream=args.stream, temperature=args.temperature,
             reasoning_effort=args.reasoning_effort, turns=args.turns,
             continue_with=args.continue_with, tool_loop=args.tool_loop,
+            tool_namespace=args.tool_namespace,
             endpoint=args.endpoint, warmup=args.warmup,
             seed=random.randrange(2**31) if args.seed is None else args.seed,
             timeout_s=args.timeout, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),

@@ -185,7 +185,7 @@ def test_without_streaming_there_is_no_ttft(scripted: tuple[ScriptedEngine, str]
         assert result.ttft_s is None and result.tpot_s is None and result.latency_s > 0
 
 
-@pytest.mark.parametrize("continue_with", ["previous_response_id", "conversation"])
+@pytest.mark.parametrize("continue_with", ["previous_response_id", "conversation", "items"])
 def test_dialogues_continue_each_turn(scripted: tuple[ScriptedEngine, str], continue_with) -> None:
     engine, base_url = scripted
     engine.last_script = harmony_tokens(REASONING_THEN_FINAL)
@@ -212,6 +212,28 @@ def test_dialogues_continue_each_turn(scripted: tuple[ScriptedEngine, str], cont
     )
     table = format_table(summary)
     assert "dialogue of 3 turns" in table and "turns 2+" in table and "prefix cache" in table
+
+
+def test_a_stateless_tool_loop_in_a_namespace_sends_every_item_back(
+    scripted: tuple[ScriptedEngine, str],
+) -> None:
+    """continue_with "items" with tool_namespace: as the Codex CLI runs its loop."""
+    engine, base_url = scripted
+    engine.enforce_grammar = True
+    call = harmony_tokens(LOOKUP_CALL.replace("to=functions.lookup", "to=words.lookup"))
+    engine.queue(call, call, call)
+    config = BenchServeConfig(base_url, num_requests=1, concurrency=1, input_len=12,
+                              output_len=64, turns=3, tool_loop=True, tool_namespace="words",
+                              continue_with="items")  # fmt: skip
+    run = asyncio.run(run_benchmark(config))
+    assert [(r.turn, r.error) for r in run.results] == [(1, None), (2, None), (3, None)]
+    last = adapter.decode(engine.prompts[2])
+    assert last.count("<|start|>words.lookup to=assistant<|channel|>commentary") == 2
+    assert "## words\n\n// Tools for looking words up.\nnamespace words {" in last
+    # Nothing stored, the reasoning sent back sealed: the prompt continues the last turn's.
+    assert engine.prompts[2][: len(engine.prompts[1]) + len(call)] == engine.prompts[1] + call
+    assert run.results[0].output[-1]["namespace"] == "words"
+    assert all(params.grammar is not None for params in engine.params)
 
 
 def test_a_failed_turn_ends_its_dialogue(scripted: tuple[ScriptedEngine, str]) -> None:
@@ -292,6 +314,8 @@ def test_usage_errors_are_one_line_and_exit_2(
         "turns must be >= 1": ["--base-url", base_url, "--turns", "0"],
         "need the Responses endpoint": ["--endpoint", "chat", "--turns", "2"],
         "tool loops need the Responses": ["--endpoint", "chat", "--tool-loop"],
+        "tool_namespace needs tool_loop": ["--tool-namespace", "ns"],
+        "a name of 1-64 letters": ["--tool-loop", "--tool-namespace", "a.b"],
     }
     for message, argv in cases.items():
         assert cli.main(["bench-serve", *argv]) == 2

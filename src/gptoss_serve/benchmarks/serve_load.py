@@ -15,12 +15,15 @@ streaming, the client reads the server-sent events itself and records:
 Up to ``concurrency`` requests are in flight; with a finite ``request_rate`` they arrive as a
 Poisson process. With ``turns`` > 1 each request is a dialogue instead: that many turns, one
 after the other, each with ``input_len`` new tokens of user text, continuing the turn before by
-``previous_response_id`` (its turns stored) or in a conversation (``/v1/conversations``);
+``previous_response_id`` (its turns stored), in a conversation (``/v1/conversations``), or by
+sending every item back (``items``: nothing stored, the reasoning as ``encrypted_content``, as
+the Agents SDK and the Codex CLI do);
 ``concurrency`` and ``request_rate`` then count dialogues, and the later turns show what the
 server's prefix cache does for a follow-up (``cached_tokens``). With ``tool_loop`` each turn
 must call the benchmark's tool (``tool_choice: required``, which random weights obey only
 through the server's constrained decoding) and the next turn sends that call's output, the
-``input_len`` tokens of text: an agent's loop. Only the client side lives
+``input_len`` tokens of text: an agent's loop (``tool_namespace``: the tool declared in a
+``namespace`` tool, as the Codex CLI declares its sub-agent tools). Only the client side lives
 here (httpx, no torch): it measures any server that speaks the Responses API, or the Chat
 Completions API (a chat stream's deltas are its chunks with content, ``reasoning_content`` or
 tool-call arguments; its usage comes from the ``include_usage`` chunk; ``length`` counts as
@@ -35,6 +38,7 @@ import json
 import logging
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -58,7 +62,8 @@ TERMINAL_TYPES = frozenset({"response.completed", "response.incomplete", "respon
 # `incomplete` is what a max_output_tokens cut gives: the benchmark asks for exactly that.
 OK_STATUSES = frozenset({"completed", "incomplete"})
 REASONING_EFFORTS = ("low", "medium", "high")
-CONTINUATIONS = ("previous_response_id", "conversation")  # how a dialogue's turns are linked
+# How a dialogue's turns are linked: by id, in a conversation, or every item sent back.
+CONTINUATIONS = ("previous_response_id", "conversation", "items")
 ENDPOINTS = {"responses": "/v1/responses", "chat": "/v1/chat/completions"}
 # A chat completion's finish_reason as the Responses status it corresponds to.
 CHAT_STATUSES = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
@@ -96,8 +101,9 @@ class BenchServeConfig:
     temperature: float = 1.0
     reasoning_effort: str | None = None  # None: the server's default
     turns: int = 1  # > 1: each request is a dialogue of this many turns
-    continue_with: str = "previous_response_id"  # or "conversation": how turns are linked
+    continue_with: str = "previous_response_id"  # CONTINUATIONS: how turns are linked
     tool_loop: bool = False  # each turn calls LOOP_TOOL; the next one sends the call's output
+    tool_namespace: str | None = None  # a tool loop's LOOP_TOOL inside a namespace of this name
     endpoint: str = "responses"  # or "chat" (ENDPOINTS)
     warmup: int = 0  # requests run (and not counted) before the measured ones
     seed: int = 0  # of the prompts and the arrival times
@@ -139,6 +145,11 @@ class BenchServeConfig:
             raise ValueError(f"endpoint must be one of {tuple(ENDPOINTS)}")
         if self.endpoint == "chat" and (self.turns > 1 or self.tool_loop):
             raise ValueError("dialogues (turns > 1) and tool loops need the Responses endpoint")
+        if self.tool_namespace is not None and not (
+            self.tool_loop and re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", self.tool_namespace)
+        ):
+            raise ValueError("tool_namespace needs tool_loop and a name of 1-64 letters, digits, "
+                             f"'_' or '-', got {self.tool_namespace!r}")  # fmt: skip
         if self.reasoning_effort not in (None, *REASONING_EFFORTS):
             raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}")
 
@@ -172,6 +183,8 @@ class RequestResult:
     cached_tokens: int = 0  # usage: of input_tokens, those the server's prefix cache served
     response_id: str | None = None  # what the next turn continues
     call_id: str | None = None  # the output's last function call's (a tool loop's next turn)
+    # The output items (kept only where the next turn sends them back: continue_with "items").
+    output: tuple[dict[str, Any], ...] = field(default=(), repr=False)
 
     @property
     def is_ok(self) -> bool:
@@ -280,9 +293,18 @@ def request_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[s
     }
     if config.reasoning_effort is not None:
         body["reasoning"] = {"effort": config.reasoning_effort}
+    if config.turns > 1 and config.continue_with == "items":
+        body["include"] = ["reasoning.encrypted_content"]
     if config.tool_loop:
-        body["tools"], body["tool_choice"] = [LOOP_TOOL], "required"
+        body["tools"], body["tool_choice"] = [_loop_tool(config)], "required"
     return body
+
+
+def _loop_tool(config: BenchServeConfig) -> dict[str, Any]:
+    if config.tool_namespace is None:
+        return LOOP_TOOL
+    return {"type": "namespace", "name": config.tool_namespace, "tools": [LOOP_TOOL],
+            "description": "Tools for looking words up."}  # fmt: skip
 
 
 def _chat_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[str, Any]:
@@ -360,14 +382,20 @@ async def _dialogue(
             return [_unsent(index, prompts[0], phase_start, f"conversation: {error}")]
         link = {"conversation": created.json()["id"]}
     results: list[RequestResult] = []
+    history: list[dict[str, Any]] = []  # continue_with "items": every item so far
     for turn, prompt in enumerate(prompts, start=1):
         body = {**request_body(config, model, prompt), **link}
+        new: dict[str, Any] = {"role": "user", "content": prompt.text}
         if config.tool_loop and results:  # the text is the output of the call before
-            output = {"type": "function_call_output", "call_id": results[-1].call_id,
-                      "output": prompt.text}  # fmt: skip
-            body["input"] = [output]
+            new = {"type": "function_call_output", "call_id": results[-1].call_id,
+                   "output": prompt.text}  # fmt: skip
+            body["input"] = [new]
+        if config.continue_with == "items":
+            history.append(new)
+            body["input"] = list(history)
         result = await _send(client, config, body, index=index, prompt=prompt,
                              phase_start=phase_start, turn=turn)  # fmt: skip
+        history += result.output
         if config.tool_loop and result.is_ok and result.call_id is None:
             status = result.status
             result = dataclasses.replace(result, error=f"turn {turn} ({status}) made no call")
@@ -431,6 +459,9 @@ async def _send(
         cached_tokens=details.get("cached_tokens", 0),
         response_id=outcome.response.get("id") if outcome.response else None,
         call_id=_last_call_id(outcome.response),
+        output=tuple((outcome.response or {}).get("output") or ())
+        if config.continue_with == "items" and config.turns > 1
+        else (),
     )
 
 
