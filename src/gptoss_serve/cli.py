@@ -602,6 +602,9 @@ def _add_bench_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="max_output_tokens of each request")  # fmt: skip
     bench.add_argument("--shared-prefix-len", type=int, default=0,
                        help="leading user-text tokens common to all requests")  # fmt: skip
+    bench.add_argument("--instructions-len", type=int, default=0, metavar="N",
+                       help="N tokens of instructions common to all requests, as an agent's "
+                       "system prompt (default 0: none)")  # fmt: skip
     bench.add_argument("--request-rate", type=float, default=math.inf,
                        help="Poisson arrivals per second (default inf: all at once)")  # fmt: skip
     bench.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
@@ -641,7 +644,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         config = serve_load.BenchServeConfig(
             base_url=args.base_url, model=args.model, num_requests=args.num_requests,
             concurrency=args.concurrency, input_len=args.input_len, output_len=args.output_len,
-            shared_prefix_len=args.shared_prefix_len, request_rate=args.request_rate,
+            shared_prefix_len=args.shared_prefix_len, instructions_len=args.instructions_len,
+            request_rate=args.request_rate,
             stream=args.stream, temperature=args.temperature,
             reasoning_effort=args.reasoning_effort, turns=args.turns,
             continue_with=args.continue_with, tool_loop=args.tool_loop,

@@ -23,6 +23,7 @@ from gptoss_serve.benchmarks.serve_load import (
     BenchServeConfig,
     RequestResult,
     arrival_times,
+    instructions_text,
     run_benchmark,
 )
 from gptoss_serve.benchmarks.sse import SseDecoder, SseEvent, decode_lines
@@ -236,6 +237,25 @@ def test_a_stateless_tool_loop_in_a_namespace_sends_every_item_back(
     assert all(params.grammar is not None for params in engine.params)
 
 
+def test_instructions_are_common_to_every_request_of_a_run(
+    scripted: tuple[ScriptedEngine, str],
+) -> None:
+    engine, base_url = scripted
+    engine.last_script = harmony_tokens(REASONING_THEN_FINAL)
+    config = BenchServeConfig(base_url, num_requests=3, concurrency=2, input_len=12,
+                              output_len=64, instructions_len=300, seed=4)  # fmt: skip
+    run = asyncio.run(run_benchmark(config))
+    assert all(result.is_ok for result in run.results)
+    developers = {adapter.decode(prompt).split("<|start|>developer")[1].split("<|end|>")[0]
+                  for prompt in engine.prompts}  # fmt: skip
+    assert len(developers) == 1 and "# Instructions" in developers.pop()
+    text = instructions_text(4, 300)
+    assert 295 <= len(adapter.encode(text)) <= 300 and text != instructions_text(5, 300)
+    chat = asyncio.run(run_benchmark(dataclasses.replace(config, endpoint="chat")))
+    assert all(result.is_ok for result in chat.results)
+    assert "instructions 300 tokens" in format_table(summarize(run, date="today", commit=None))
+
+
 def test_a_failed_turn_ends_its_dialogue(scripted: tuple[ScriptedEngine, str]) -> None:
     engine, base_url = scripted
     good = harmony_tokens(REASONING_THEN_FINAL)
@@ -316,6 +336,7 @@ def test_usage_errors_are_one_line_and_exit_2(
         "tool loops need the Responses": ["--endpoint", "chat", "--tool-loop"],
         "tool_namespace needs tool_loop": ["--tool-namespace", "ns"],
         "a name of 1-64 letters": ["--tool-loop", "--tool-namespace", "a.b"],
+        "instructions_len must be 0 or at least": ["--instructions-len", "2"],
     }
     for message, argv in cases.items():
         assert cli.main(["bench-serve", *argv]) == 2

@@ -101,6 +101,11 @@ def _mean(values: list[int]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _instructions(settings: dict[str, Any]) -> str:
+    length = settings.get("instructions_len")
+    return f", instructions {length} tokens" if length else ""
+
+
 def format_table(summary: dict[str, Any]) -> str:
     settings = summary["settings"]
     rate = settings["request_rate"]
@@ -114,7 +119,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"  {summary['num_requests']} requests (warm-up {settings['warmup']}), concurrency "
         f"{settings['concurrency']}, request rate {'inf' if rate is None else f'{rate:g}/s'}",
         f"  input {settings['input_len']} tokens (shared {settings['shared_prefix_len']}), "
-        f"output {settings['output_len']} tokens",
+        f"output {settings['output_len']} tokens{_instructions(settings)}",
         *_dialogue_line(settings),
         "",
         f"{'requests ok':<20}{summary['num_ok']:>10}  ({statuses or 'none'})",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -96,6 +97,9 @@ class BenchServeConfig:
     input_len: int = 256  # tokens of user text per request
     output_len: int = 128  # max_output_tokens
     shared_prefix_len: int = 0  # leading user-text tokens common to all requests
+    # Tokens of `instructions` common to all requests (0: none), as an agent's system prompt:
+    # the Codex CLI's is ~6k tokens with its tools, the same in every session.
+    instructions_len: int = 0
     request_rate: float = math.inf  # Poisson arrivals per second; inf: all at once
     stream: bool = True
     temperature: float = 1.0
@@ -124,6 +128,9 @@ class BenchServeConfig:
             )
         if self.warmup < 0 or self.shared_prefix_len < 0:
             raise ValueError("warmup and shared_prefix_len must be >= 0")
+        if self.instructions_len and self.instructions_len < MAX_MARKER_TOKENS:
+            raise ValueError(f"instructions_len must be 0 or at least {MAX_MARKER_TOKENS}, "
+                             f"got {self.instructions_len}")  # fmt: skip
         if self.input_len < self.shared_prefix_len + MAX_MARKER_TOKENS:
             raise ValueError(
                 f"input_len must be at least shared_prefix_len + {MAX_MARKER_TOKENS} (each "
@@ -293,11 +300,20 @@ def request_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[s
     }
     if config.reasoning_effort is not None:
         body["reasoning"] = {"effort": config.reasoning_effort}
+    if config.instructions_len:
+        body["instructions"] = instructions_text(config.seed, config.instructions_len)
     if config.turns > 1 and config.continue_with == "items":
         body["include"] = ["reasoning.encrypted_content"]
     if config.tool_loop:
         body["tools"], body["tool_choice"] = [_loop_tool(config)], "required"
     return body
+
+
+@functools.lru_cache(maxsize=4)
+def instructions_text(seed: int, num_tokens: int) -> str:
+    """The run's instructions: ``num_tokens`` tokens of words, the same for every request of a
+    run (another seed, other words: a run does not hit the prefix cache of the one before)."""
+    return make_prompts(1, num_tokens, seed=seed ^ 0x5EED)[0].text
 
 
 def _loop_tool(config: BenchServeConfig) -> dict[str, Any]:
@@ -317,6 +333,9 @@ def _chat_body(config: BenchServeConfig, model: str, prompt: Prompt) -> dict[str
     }
     if config.stream:
         body["stream_options"] = {"include_usage": True}
+    if config.instructions_len:
+        text = instructions_text(config.seed, config.instructions_len)
+        body["messages"].insert(0, {"role": "system", "content": text})
     if config.reasoning_effort is not None:
         body["reasoning_effort"] = config.reasoning_effort
     return body
