@@ -16,7 +16,7 @@ import uvicorn
 
 from gptoss_serve.config import SampledToken, SamplingParams, ServerConfig
 from gptoss_serve.constrain import adapter as constrain_adapter
-from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.client import EngineError, EngineInfo, FinishedRequest
 from gptoss_serve.harmony import adapter
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.store import ResponseStore
@@ -121,9 +121,9 @@ class ScriptedEngine:
             if not finished:
                 self.aborted.append(request_id)
 
-    def cached_tokens(self, request_id: str) -> int:
+    def finished(self, request_id: str) -> FinishedRequest:
         del request_id
-        return 0
+        return FinishedRequest()
 
     def stats(self) -> None:
         return None

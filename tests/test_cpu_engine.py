@@ -13,7 +13,7 @@ import torch
 
 from gptoss_serve.config import SampledToken, SamplingParams
 from gptoss_serve.constrain.grammar import ConstraintSpec, build_grammar
-from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.client import EngineError, EngineInfo, FinishedRequest
 from gptoss_serve.engine.cpu_engine import CpuEngine
 from gptoss_serve.harmony import adapter
 from gptoss_serve.model import generate as generate_module
@@ -36,16 +36,34 @@ def test_concurrent_requests_match_running_alone(model) -> None:
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11], [500] * 40]
     alone = [list(generate(model, prompt, GREEDY)) for prompt in prompts]
 
-    async def main() -> list[list[int]]:
+    async def main() -> tuple[list[list[int]], list[FinishedRequest]]:
         engine = CpuEngine(model, "tiny", max_active=2)  # the third request waits its turn
         try:
-            return await asyncio.gather(
+            tokens = await asyncio.gather(
                 *(_collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(prompts))
             )
+            return tokens, [engine.finished(f"r{i}") for i in range(3)]
         finally:
             await engine.close()
 
-    assert asyncio.run(main()) == alone
+    tokens, finished = asyncio.run(main())
+    assert tokens == alone
+    for times in finished:  # each began its prompt, then had a first token
+        assert times.cached_tokens == 0 and times.queue_s >= 0 and times.prefill_s > 0
+    # The third waited for one of the first two to finish: 12 tokens of a tiny model.
+    assert finished[2].queue_s > max(finished[0].queue_s, finished[1].queue_s)
+    assert asyncio.run(_forgotten(model)) == FinishedRequest()
+
+
+async def _forgotten(model) -> FinishedRequest:
+    """A request read once is forgotten; an unknown one is empty."""
+    engine = CpuEngine(model, "tiny")
+    try:
+        await _collect(engine, "x", [1, 2], GREEDY)
+        engine.finished("x")
+        return engine.finished("x")
+    finally:
+        await engine.close()
 
 
 def test_logprobs_are_the_models_log_softmax(model) -> None:

@@ -6,6 +6,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from gptoss_serve.config import ServerConfig
+from gptoss_serve.engine.client import FinishedRequest
 from gptoss_serve.engine.scheduler_output import SchedulerStats
 from gptoss_serve.server.app import create_app
 from gptoss_serve.server.store import ResponseStore
@@ -50,6 +51,32 @@ def test_metrics_count_statuses_tokens_and_latencies() -> None:
     assert samples[("gptoss_time_to_first_token_seconds_count", ())] == 3
     assert samples[("gptoss_time_per_output_token_seconds_count", ())] == 3
     assert samples[("gptoss_request_duration_seconds_count", ())] == 3
+    assert samples[("gptoss_request_prepare_seconds_count", ())] == 3  # not the 404
+    assert 0 < samples[("gptoss_request_prepare_seconds_sum", ())] < 30
+    # The scripted engine reports no times: nothing observed (not zeros).
+    assert samples[("gptoss_request_queue_seconds_count", ())] == 0
+    assert samples[("gptoss_request_prefill_seconds_count", ())] == 0
+
+
+class _TimedEngine(ScriptedEngine):
+    """Reports each generation's queue and prefill times, as the engines do."""
+
+    def finished(self, request_id: str) -> FinishedRequest:
+        del request_id
+        return FinishedRequest(cached_tokens=0, queue_s=0.25, prefill_s=0.0625)
+
+
+def test_the_engine_s_queue_and_prefill_times_are_observed() -> None:
+    engine = _TimedEngine([harmony_tokens(REPLY)])
+    app = create_app(engine, ResponseStore(":memory:"), ServerConfig())
+    with TestClient(app) as client:
+        for _ in range(2):
+            client.post("/v1/responses", json={"model": "demo", "input": "Hi"})
+        samples = _samples(client.get("/metrics").text)
+    assert samples[("gptoss_request_queue_seconds_count", ())] == 2
+    assert samples[("gptoss_request_queue_seconds_sum", ())] == 0.5
+    assert samples[("gptoss_request_prefill_seconds_sum", ())] == 0.125
+    assert samples[("gptoss_request_queue_seconds_bucket", (("le", "0.25"),))] == 2
 
 
 def test_output_tokens_count_while_a_generation_runs() -> None:

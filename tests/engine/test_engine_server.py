@@ -12,9 +12,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from constrained_cases import SCHEMAS, TOOL_PARAMETERS, assert_valid_json, tools
 from gptoss_serve.config import EngineConfig, SchedulerConfig, ServerConfig
@@ -145,6 +147,36 @@ def test_a_repeated_prompt_reports_its_cached_tokens(engine_and_client) -> None:
     assert first.usage.input_tokens_details.cached_tokens < second.usage.input_tokens - 16
     cached = second.usage.input_tokens_details.cached_tokens
     assert cached == (second.usage.input_tokens - 1) // 16 * 16 > 0
+
+
+def test_the_metrics_split_a_first_token_s_wait(engine_and_client) -> None:
+    """prepare (the server), queue and prefill (the engine's step that began the prompt, and
+    its first token): each generation observed once."""
+    _, client = engine_and_client
+    url = str(client.base_url).removesuffix("/v1/")
+
+    def counts() -> dict[str, float]:
+        return _counts(httpx.get(f"{url}/metrics").text)
+
+    before = counts()
+    for _ in range(2):
+        client.responses.create(model="demo", input="Time me.", max_output_tokens=16, store=False)
+    after = counts()
+    for name in ("prepare", "queue", "prefill"):
+        assert after[f"gptoss_request_{name}_seconds_count"] - before[
+            f"gptoss_request_{name}_seconds_count"] == 2  # fmt: skip
+    assert (
+        after["gptoss_request_prefill_seconds_sum"] > before["gptoss_request_prefill_seconds_sum"]
+    )
+
+
+def _counts(text: str) -> dict[str, float]:
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.endswith(("_count", "_sum"))
+    }
 
 
 LOOKUP = {"type": "function", "name": "lookup", "strict": True, "parameters": {

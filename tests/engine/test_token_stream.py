@@ -10,7 +10,7 @@ import pytest
 
 from gptoss_serve.config import SamplingParams
 from gptoss_serve.engine.async_engine import AsyncEngine
-from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.client import EngineError, EngineInfo, FinishedRequest
 from gptoss_serve.engine.engine import StepResult
 from gptoss_serve.engine.scheduler_output import RequestOutput, SchedulerStats
 from gptoss_serve.engine.token_stream import DONE, TokenStream, post_all
@@ -103,7 +103,7 @@ class _ScriptedCore:
 def test_the_async_engine_hands_each_step_over_in_one_wake_up() -> None:
     steps = [
         StepResult([RequestOutput("a", (1,), None, 0), RequestOutput("b", (11,), None, 0),
-                    RequestOutput("c", (21,), None, 0)]),
+                    RequestOutput("c", (21,), None, 0)], started=("a", "b", "c")),
         StepResult([RequestOutput("a", (2,), "stop", 3), RequestOutput("b", (12,), None, 0)],
                    failed={"c": "grammar refused token 22"}),
         StepResult([RequestOutput("b", (13,), "length", 0)]),
@@ -123,10 +123,14 @@ def test_the_async_engine_hands_each_step_over_in_one_wake_up() -> None:
 
         results = await asyncio.gather(read("a"), read("b"), read("c"))
         steps_handed_over = len(wake_ups)  # (close's thread join wakes the loop once more)
-        cached = engine.cached_tokens("a")
+        finished = {request_id: engine.finished(request_id) for request_id in "abc"}
         await engine.close()
-        return dict(zip("abc", results, strict=True)), steps_handed_over, cached
+        return dict(zip("abc", results, strict=True)), steps_handed_over, finished
 
-    results, wake_ups, cached = asyncio.run(main())
+    results, wake_ups, finished = asyncio.run(main())
     assert results == {"a": [1, 2], "b": [11, 12, 13], "c": "grammar refused token 22"}
-    assert wake_ups == 3 and cached == 3  # one per step; a's prefix-cache hits are kept
+    assert wake_ups == 3 and finished["a"].cached_tokens == 3  # a's prefix-cache hits are kept
+    for request_id in "ab":  # when each was handed over, began, and had its first token
+        times = finished[request_id]
+        assert 0 <= times.queue_s < 5 and 0 <= times.prefill_s < 5
+    assert finished["c"] == FinishedRequest()  # it failed: nothing kept

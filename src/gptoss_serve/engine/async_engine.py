@@ -15,12 +15,13 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from gptoss_serve.config import SamplingParams
-from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.client import EngineError, EngineInfo, FinishedRequest
 from gptoss_serve.engine.engine import EngineCore
 from gptoss_serve.engine.scheduler_output import SchedulerStats
 from gptoss_serve.engine.token_stream import DONE, TokenStream, post_all
@@ -46,8 +47,8 @@ class AsyncEngine:
         self._pending: deque[_Stream] = deque()
         self._aborted: set[str] = set()
         self._streams: dict[str, _Stream] = {}  # admitted to the core, worker-thread only
-        # Prefix-cache hits of streams read to the end, until the caller asks (event loop).
-        self._cached: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Streams read to the end (prefix-cache hits, times), until the caller asks (event loop).
+        self._finished: collections.OrderedDict[str, FinishedRequest] = collections.OrderedDict()
         self._is_stopped = False
         self._failure: str | None = None  # why the worker died, once it has
         # Written by the worker after each step (before its tokens go out) and each round, read
@@ -70,9 +71,9 @@ class AsyncEngine:
         try:
             async for token in stream.tokens():
                 yield token
-            self._cached[request_id] = stream.num_cached_tokens
-            while len(self._cached) > _MAX_REMEMBERED:  # callers that never asked
-                self._cached.popitem(last=False)
+            self._finished[request_id] = stream.finished(stream.num_cached_tokens)
+            while len(self._finished) > _MAX_REMEMBERED:  # callers that never asked
+                self._finished.popitem(last=False)
         finally:
             if not stream.is_done:  # the consumer went away (client disconnect): abort
                 with self._condition:
@@ -80,8 +81,8 @@ class AsyncEngine:
                     self._condition.notify()
                 logger.info("request %s aborted", request_id)
 
-    def cached_tokens(self, request_id: str) -> int:
-        return self._cached.pop(request_id, 0)
+    def finished(self, request_id: str) -> FinishedRequest:
+        return self._finished.pop(request_id, None) or FinishedRequest()
 
     def stats(self) -> SchedulerStats:
         return self._stats
@@ -143,6 +144,7 @@ class AsyncEngine:
         self._streams[stream.request_id] = stream
 
     def _step(self) -> None:
+        launched_at = time.monotonic()
         try:
             result = self._core.step()
         except Exception as error:  # a failed step fails every request in it, not the server
@@ -155,10 +157,16 @@ class AsyncEngine:
             self._core = self._make_core()
             return
         posts: list[tuple[_Stream, object]] = []  # delivered together: one loop wake-up
+        for request_id in result.started:
+            if (stream := self._streams.get(request_id)) is not None:
+                stream.mark_started(launched_at)
+        now = time.monotonic()
         for output in result.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            if output.new_token_ids:
+                stream.mark_token(now)
             stream.num_cached_tokens = max(stream.num_cached_tokens, output.num_cached_tokens)
             posts.extend((stream, token) for token in output.new_token_ids)
             if output.finish_reason is not None:

@@ -28,6 +28,18 @@ class EngineInfo:
     created_at: int  # unix time the model was loaded (the model object's `created`)
 
 
+@dataclass(frozen=True)
+class FinishedRequest:
+    """What an engine reports of a generation read to its end (``EngineClient.finished``)."""
+
+    cached_tokens: int = 0  # prompt tokens from the prefix cache (usage's cached_tokens)
+    # Seconds from the request's hand-over to the engine to the start of the step that began
+    # computing its prompt (waiting for a place in a step), and from there to its first token
+    # (its prompt's computing, in one or more steps, and the first sampling). None: unknown.
+    queue_s: float | None = None
+    prefill_s: float | None = None
+
+
 class EngineClient(Protocol):
     info: EngineInfo
 
@@ -43,10 +55,11 @@ class EngineClient(Protocol):
         EngineError, it never hangs."""
         ...
 
-    def cached_tokens(self, request_id: str) -> int:
-        """Prompt tokens of a generation that ended (its stream was read to the end) that
-        came from the prefix cache: ``usage.input_tokens_details.cached_tokens``. 0 when the
-        engine has no prefix cache or does not know the request. Reading it forgets it."""
+    def finished(self, request_id: str) -> FinishedRequest:
+        """Of a generation that ended (its stream was read to the end): its prompt tokens from
+        the prefix cache (``usage.input_tokens_details.cached_tokens``; 0 without a prefix
+        cache) and how long it waited and prefilled. Empty when the engine does not know the
+        request. Reading it forgets it."""
         ...
 
     def stats(self) -> SchedulerStats | None:

@@ -14,6 +14,7 @@ computed on a mask thread while the model runs the request's forward pass (const
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -24,13 +25,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from gptoss_serve.config import SamplingParams
-from gptoss_serve.engine.client import EngineError, EngineInfo
+from gptoss_serve.engine.client import EngineError, EngineInfo, FinishedRequest
 from gptoss_serve.engine.constrained import GrammarConstraint
 from gptoss_serve.engine.token_stream import DONE, TokenStream
 from gptoss_serve.model.generate import Generation
 from gptoss_serve.model.transformer import GptOssForCausalLM
 
 logger = logging.getLogger(__name__)
+
+_MAX_REMEMBERED = 4096  # finished jobs whose times nobody asked for
 
 
 @dataclass
@@ -63,6 +66,8 @@ class CpuEngine:
         self._active: list[_Job] = []
         self._is_stopped = False
         self._failure: str | None = None  # why the worker died, once it has (a bug)
+        # Jobs read to the end (their times), until the caller asks (event loop).
+        self._finished: collections.OrderedDict[str, FinishedRequest] = collections.OrderedDict()
         # Mask computations overlap the forward passes; one worker thread keeps up (a mask
         # takes tens of microseconds, a forward pass milliseconds).
         self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="masks")
@@ -87,14 +92,17 @@ class CpuEngine:
         try:
             async for token in job.tokens():
                 yield token
+            self._finished[request_id] = job.finished()
+            while len(self._finished) > _MAX_REMEMBERED:  # callers that never asked
+                self._finished.popitem(last=False)
         finally:
             if not job.is_done:  # the consumer went away (client disconnect): abort
                 job.is_cancelled = True
                 logger.info("request %s aborted", request_id)
 
-    def cached_tokens(self, request_id: str) -> int:
-        del request_id
-        return 0  # no prefix cache: every prompt is computed
+    def finished(self, request_id: str) -> FinishedRequest:
+        """No prefix cache (every prompt is computed): the times alone."""
+        return self._finished.pop(request_id, None) or FinishedRequest()
 
     def stats(self) -> None:
         """No scheduler: the CPU engine decodes its requests in turn."""
@@ -148,6 +156,7 @@ class CpuEngine:
             return
         try:
             if job.generation is None:
+                job.mark_started(time.monotonic())
                 if job.params.grammar is not None:
                     job.constraint = GrammarConstraint(job.params.grammar, self._mask_pool)
                 job.generation = Generation(self.model, job.prompt_ids, job.params, job.constraint)
@@ -160,6 +169,7 @@ class CpuEngine:
             self._finish(job, error)
             return
         if token is not None:
+            job.mark_token(time.monotonic())
             job.post(token)
         if token is None or job.generation.is_finished:
             self._finish(job, DONE)

@@ -19,6 +19,7 @@ API request has a grammar, its reasoning budget's; bench/RESULTS.md e16).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Sequence
@@ -65,6 +66,9 @@ class StepResult:
     outputs: list[RequestOutput]
     # Requests that failed this step (a grammar that refused or allowed nothing) -> why.
     failed: dict[str, str] = field(default_factory=dict)
+    # Requests whose rows this call launched first since their admission or resumption (their
+    # prompt's computing began in it; with async scheduling their tokens come a call later).
+    started: tuple[str, ...] = ()
 
 
 class EngineCore:
@@ -115,22 +119,25 @@ class EngineCore:
         """Tokens of one step. With async scheduling the step after it is launched first and
         left in flight for the next call."""
         launched, self._in_flight = self._in_flight, None
+        started: list[str] = []
         if launched is None:
             output = self.scheduler.schedule()
             if output.is_empty:
                 return StepResult([])
+            started += _new_rows(output)
             launched = self._launch(output, None)
         result = None
         if self.async_scheduling:
             ahead = self.scheduler.schedule(ahead=True)
             if not ahead.is_empty:
+                started += _new_rows(ahead)
                 self._in_flight, result = self._launch_ahead(ahead, launched)
         if result is None:
             result = self._complete(launched)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests:
             self._complete(self._in_flight)  # its rows' requests have all finished
             self._in_flight = None
-        return result
+        return dataclasses.replace(result, started=tuple(started)) if started else result
 
     def _launch(self, output: SchedulerOutput, previous: PreviousTokens | None) -> _Launched:
         logits, inputs = self.runner.forward(output, previous)
@@ -200,3 +207,7 @@ class EngineCore:
             self._in_flight = None
         for request_id in list(self._states):
             self._drop(request_id)
+
+
+def _new_rows(output: SchedulerOutput) -> list[str]:
+    return [row.request_id for row in output.scheduled if row.is_new]

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gptoss_serve.config import SamplingParams
-from gptoss_serve.engine.client import EngineError
+from gptoss_serve.engine.client import EngineError, FinishedRequest
 
 DONE = object()  # end-of-stream marker on a request's queue
 
@@ -27,6 +28,26 @@ class TokenStream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     is_done: bool = False  # the worker posted its last item
+    # time.monotonic() when the engine got it, when its prompt's computing began and when its
+    # first token was posted (the worker sets the last two, once).
+    queued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    first_token_at: float | None = None
+
+    def mark_started(self, now: float) -> None:
+        if self.started_at is None:
+            self.started_at = now
+
+    def mark_token(self, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+
+    def finished(self, cached_tokens: int = 0) -> FinishedRequest:
+        """What ``EngineClient.finished`` reports of this stream."""
+        started, first = self.started_at, self.first_token_at
+        if started is None or first is None:
+            return FinishedRequest(cached_tokens)
+        return FinishedRequest(cached_tokens, started - self.queued_at, first - started)
 
     @classmethod
     def open(cls, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, **fields):

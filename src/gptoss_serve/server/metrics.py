@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from gptoss_serve.engine.client import FinishedRequest
 from gptoss_serve.engine.scheduler_output import SchedulerStats
 from gptoss_serve.harmony.replay import ReplayStats
 
@@ -58,19 +59,34 @@ class ServerMetrics:
             "gptoss_output_tokens", "Generated tokens (reasoning included), counted as they come.",
             registry=self.registry,
         )  # fmt: skip
-        self.ttft = Histogram(
-            "gptoss_time_to_first_token_seconds", "From the start of generation to a first token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
-        self.tpot = Histogram(
+        self.ttft = self._seconds(
+            "gptoss_time_to_first_token_seconds", "From the start of generation to a first token."
+        )
+        self.tpot = self._seconds(
             "gptoss_time_per_output_token_seconds",
-            "Mean time between a generation's output tokens after the first.",
-            buckets=_TOKEN_BUCKETS, registry=self.registry,
+            "Mean time between a generation's output tokens after the first.", _TOKEN_BUCKETS,
         )  # fmt: skip
-        self.latency = Histogram(
-            "gptoss_request_duration_seconds", "From the start of generation to its end.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        self.latency = self._seconds(
+            "gptoss_request_duration_seconds", "From the start of generation to its end."
+        )
+        # Where a first token's wait goes: the server's own work, then the engine's.
+        self.prepare = self._seconds(
+            "gptoss_request_prepare_seconds", "From a request's arrival to the start of its "
+            "generation: reading and checking it, its conversation, prompt and grammar.",
         )  # fmt: skip
+        self.queue = self._seconds(
+            "gptoss_request_queue_seconds",
+            "From the start of generation to the engine step that began computing the prompt.",
+        )
+        self.prefill = self._seconds(
+            "gptoss_request_prefill_seconds", "From there to the first token: the prompt's "
+            "computing (in one or more steps) and the first sampling.",
+        )  # fmt: skip
+
+    def _seconds(
+        self, name: str, documentation: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+    ) -> Histogram:
+        return Histogram(name, documentation, buckets=buckets, registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -138,6 +154,7 @@ class RequestTimer:
     """One generation's clock and counts (``metrics`` None: nothing is recorded)."""
 
     metrics: ServerMetrics | None
+    received_at: float | None = None  # the request's arrival: the prepare time ends at started
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     num_tokens: int = 0
@@ -146,6 +163,8 @@ class RequestTimer:
     def __post_init__(self) -> None:
         if self.metrics is not None:
             self.metrics.running.inc()
+            if self.received_at is not None:
+                self.metrics.prepare.observe(max(0.0, self.started - self.received_at))
 
     def token(self) -> None:
         self.num_tokens += 1
@@ -154,7 +173,12 @@ class RequestTimer:
         if self.metrics is not None:  # as they come: a long generation's rate shows while it runs
             self.metrics.output_tokens.inc()
 
-    def end(self, status: str, prompt_tokens: int, cached_tokens: int) -> None:
+    def end(
+        self, status: str, prompt_tokens: int, cached_tokens: int,
+        engine: FinishedRequest | None = None,
+    ) -> None:  # fmt: skip
+        """``engine``: what the engine reports of the generation (its queue and prefill times
+        when it knows them)."""
         self.ended = True
         metrics = self.metrics
         if metrics is None:
@@ -165,6 +189,9 @@ class RequestTimer:
         metrics.prompt_tokens.inc(prompt_tokens)
         metrics.cached_tokens.inc(cached_tokens)
         metrics.latency.observe(now - self.started)
+        if engine is not None and engine.queue_s is not None and engine.prefill_s is not None:
+            metrics.queue.observe(engine.queue_s)
+            metrics.prefill.observe(engine.prefill_s)
         if self.first_token is not None:
             metrics.ttft.observe(self.first_token - self.started)
             if self.num_tokens > 1:

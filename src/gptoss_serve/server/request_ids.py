@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -20,6 +21,9 @@ logger = logging.getLogger(__name__)
 HEADER = b"x-request-id"
 # The id of the request being served, for log lines written while serving it ("-": none).
 current_request_id: ContextVar[str] = ContextVar("current_request_id", default="-")
+# When it arrived (time.monotonic(), before its body was read and checked; None: not served
+# through this middleware): the start of ``gptoss_request_prepare_seconds``.
+request_received_at: ContextVar[float | None] = ContextVar("request_received_at", default=None)
 
 
 def new_request_id() -> str:
@@ -36,6 +40,7 @@ class RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        received = request_received_at.set(time.monotonic())
         request_id = new_request_id()
         token = current_request_id.set(request_id)
         # Also in the scope's state: Starlette's 500 handler runs outside every middleware,
@@ -52,3 +57,4 @@ class RequestIds:
             await self.app(scope, receive, send_with_id)
         finally:
             current_request_id.reset(token)
+            request_received_at.reset(received)

@@ -53,7 +53,7 @@ from gptoss_serve.server.protocol import (
     TextFormatJsonSchema,
 )
 from gptoss_serve.server.render_workers import RenderWorkers
-from gptoss_serve.server.request_ids import current_request_id
+from gptoss_serve.server.request_ids import current_request_id, request_received_at
 from gptoss_serve.server.store import ResponseStore
 from gptoss_serve.server.tools import checked_tools
 
@@ -90,6 +90,8 @@ class Prepared:
     # Where the messages this response completes are kept for the prompts that replay them
     # (harmony/replay.py); None: not kept.
     replays: GeneratedMessages | None = None
+    # When the request arrived (time.monotonic()): ``run`` reports the time until it started.
+    received_at: float = field(default_factory=time.monotonic)
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +132,7 @@ async def prepare(
     response ends: ``run`` releases it. The assistant messages the model generated, in
     ``replays``, go into the prompt as it generated them (harmony/replay.py); the messages this
     response completes are kept there when it ends."""
+    received_at = request_received_at.get() or time.monotonic()
     conversation_id = request.conversation_id
     lease = None if conversation_id is None else locks.acquire(conversation_id)
     try:
@@ -141,6 +144,7 @@ async def prepare(
         raise
     prepared.lease = lease
     prepared.replays = replays
+    prepared.received_at = received_at
     return prepared
 
 
@@ -414,7 +418,7 @@ async def run(
     """Generate and yield the events; the final object is ``prepared.response``. ``metrics``
     (the app's) gets the generation's tokens and latencies; one that does not reach its end
     (a client that left, a cancel) counts as ``cancelled``."""
-    timer = RequestTimer(metrics)
+    timer = RequestTimer(metrics, received_at=prepared.received_at)
     try:
         async for event in _run(prepared, engine, store, timer):
             yield event
@@ -472,7 +476,8 @@ async def _run(
     if parser.framing_error:
         logger.warning("response %s: model broke Harmony framing: %s",
                        prepared.response.id, parser.framing_error)  # fmt: skip
-    cached = engine.cached_tokens(prepared.response.id)
+    finished = engine.finished(prepared.response.id)
+    cached = finished.cached_tokens
     prepared.response.usage = Usage(
         input_tokens=len(prepared.prompt_ids),
         input_tokens_details={"cached_tokens": cached},
@@ -485,7 +490,7 @@ async def _run(
     # for the disk; every other stream would stall meanwhile. Awaited before the terminal
     # event, so a client that has it finds the response stored.
     await asyncio.to_thread(_keep, prepared, store, generated)
-    timer.end(prepared.response.status, len(prepared.prompt_ids), cached)
+    timer.end(prepared.response.status, len(prepared.prompt_ids), cached, finished)
     for event in final_events:
         yield event
 
