@@ -3,10 +3,23 @@
 The messages are rendered by openai-harmony (through ``adapter``); two things the library
 does not do are done here: our chain-of-thought drop rule, and the ``# Response Formats``
 section of the developer message (see docs/responses-api.md, "Harmony: what the prompt must be").
+
+The library renders a conversation message by message: a prompt is its header (the system
+message and the developer message) followed by each history message's own tokens and
+``<|start|>assistant``. An agent sends the same header and the same history again with every
+turn (a Codex CLI turn: ~6k tokens of instructions and tools and a history growing by a few
+thousand tokens a turn; the render costs ~1 ms per 1k tokens and holds the GIL), so the
+header's and each history message's tokens are kept, keyed by a digest of what they render
+from, and a prompt renders only what it has new (``HEADERS``, ``ITEMS``: memory bounded by
+tokens, least recently used first out). The tokens are those of one whole render
+(``tests/test_harmony_render.py`` checks it).
 """
 
 from __future__ import annotations
 
+import array
+import functools
+import hashlib
 import json
 from collections.abc import Sequence
 
@@ -20,43 +33,84 @@ from gptoss_serve.harmony.conversation import (
     RenderRequest,
     ResponseFormat,
 )
+from gptoss_serve.harmony.token_lru import TokenLru
 
 # Folded into the developer message's instructions instead of rendered in place.
 _INSTRUCTION_ROLES = ("system", "developer")
 
 
+# The renders kept (4 bytes a token): headers (a Codex CLI's is ~6k tokens) and history items.
+HEADERS = TokenLru(1 << 20)
+ITEMS = TokenLru(1 << 22)
+
+
 def render_prompt(request: RenderRequest) -> list[int]:
     """Prompt tokens for the next assistant turn of ``request``."""
-    instructions = _instructions(request)
-    has_developer = (
-        instructions is not None or bool(request.tools) or request.response_format is not None
-    )
-    messages = [_message_spec(item) for item in _visible_items(request.items)]
-    # `commentary` is where function calls go; without tools the model should not use it.
-    channels = ("analysis", "commentary", "final") if request.tools else ("analysis", "final")
-    tools = [
-        adapter.ToolSpec(t.name, t.description, t.parameters, t.namespace) for t in request.tools
-    ]
-    namespaces = {namespace.name: namespace.description for namespace in request.namespaces}
-    token_ids = adapter.render_completion_prompt(
-        messages,
-        reasoning_effort=request.reasoning_effort,
-        today=request.today,
-        channels=channels,
-        has_developer=has_developer,
-        instructions=instructions or None,
-        tools=tools,
-        namespace_descriptions=namespaces,
-    )
-    if request.response_format is not None:
-        token_ids = _insert_response_format(token_ids, request.response_format)
+    token_ids = list(_header(request))
+    for item in _visible_items(request.items):
+        token_ids.extend(_item_tokens(item))
+    token_ids.extend(_assistant_start())
     return token_ids
 
 
 def render_item(item: Item) -> list[int]:
     """The tokens of one history item as ``render_prompt`` renders it in a prompt (its own
     message: the same tokens whatever the items around it)."""
-    return adapter.render_message(_message_spec(item))
+    return list(_item_tokens(item))
+
+
+def _header(request: RenderRequest) -> array.array:
+    """The system message and the developer message (if any) of ``request``'s prompt."""
+    instructions = _instructions(request) or None
+    has_developer = (
+        instructions is not None or bool(request.tools) or request.response_format is not None
+    )
+    # `commentary` is where function calls go; without tools the model should not use it.
+    channels = ("analysis", "commentary", "final") if request.tools else ("analysis", "final")
+    tools = [(t.name, t.description, t.parameters, t.namespace) for t in request.tools]
+    namespaces = {namespace.name: namespace.description for namespace in request.namespaces}
+    fmt = request.response_format
+    response_format = fmt and [fmt.name, fmt.description, fmt.schema]
+    what = [instructions, request.reasoning_effort, request.today.isoformat(), channels,
+            has_developer, tools, namespaces, response_format]  # fmt: skip
+    key = _digest(json.dumps(what, ensure_ascii=True))
+    kept = HEADERS.get(key)
+    if kept is not None:
+        return kept
+    token_ids = adapter.render_completion_prompt(
+        [],
+        reasoning_effort=request.reasoning_effort,
+        today=request.today,
+        channels=channels,
+        has_developer=has_developer,
+        instructions=instructions,
+        tools=[adapter.ToolSpec(*tool) for tool in tools],
+        namespace_descriptions=namespaces,
+    )[: -len(_assistant_start())]
+    if fmt is not None:
+        token_ids = _insert_response_format(token_ids, fmt)
+    return HEADERS.setdefault(key, token_ids)
+
+
+def _item_tokens(item: Item) -> array.array:
+    spec = _message_spec(item)
+    fields = (spec.role, spec.text, spec.author_name, spec.channel, spec.recipient,
+              spec.content_type)  # fmt: skip
+    key = _digest(json.dumps(fields, ensure_ascii=True))
+    kept = ITEMS.get(key)
+    if kept is not None:
+        return kept
+    return ITEMS.setdefault(key, adapter.render_message(spec))
+
+
+@functools.cache
+def _assistant_start() -> tuple[int, ...]:
+    """``<|start|>assistant``: what a prompt ends with."""
+    return (adapter.special_token_id("<|start|>"), *adapter.encode("assistant"))
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("ascii"), digest_size=16).digest()
 
 
 def _instructions(request: RenderRequest) -> str | None:

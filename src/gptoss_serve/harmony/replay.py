@@ -33,11 +33,11 @@ import array
 import hashlib
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gptoss_serve.harmony import adapter
+from gptoss_serve.harmony.token_lru import TokenLru
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +61,17 @@ class GeneratedMessages:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.max_tokens = max_tokens
-        self._messages: OrderedDict[bytes, array.array] = OrderedDict()
-        self._num_tokens = 0
+        self._messages = TokenLru(max_tokens)
         self._num_replayed = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the replayed count's
         self._start_id = adapter.special_token_id("<|start|>")
         self._role = [self._start_id, *adapter.encode("assistant")]
         self._end_ids = adapter.message_end_token_ids()
 
     def stats(self) -> ReplayStats:
         with self._lock:
-            return ReplayStats(len(self._messages), self._num_tokens, self._num_replayed)
+            replayed = self._num_replayed
+        return ReplayStats(len(self._messages), self._messages.num_tokens, replayed)
 
     def remember(
         self,
@@ -99,7 +99,9 @@ class GeneratedMessages:
             head = role if message and message[0] != self._start_id else []
             replayed = self._as_replayed(head, message, rendered)
             if replayed is not None:  # what a prompt gets: this, or a generation kept before
-                replayed = self._keep(_key(context, rendered), replayed)
+                # The first generation of a key stays: every prompt that holds the message
+                # gets the same tokens, whose KV blocks the prefix cache has.
+                replayed = self._messages.setdefault(_key(context, rendered), replayed)
                 kept += 1
             context.update(replayed if replayed is not None else array.array("i", rendered))
         return kept
@@ -119,26 +121,10 @@ class GeneratedMessages:
             return None
         return replayed if len(replayed) <= self.max_tokens else None
 
-    def _keep(self, key: bytes, replayed: array.array) -> array.array:
-        """Keep ``replayed`` under ``key``, unless a generation is kept there already: the
-        first one stays, so that every prompt that holds the message gets the same tokens,
-        whose KV blocks the prefix cache has. Returns the one kept."""
-        with self._lock:
-            kept = self._messages.get(key)
-            if kept is not None:
-                self._messages.move_to_end(key)
-                return kept
-            self._messages[key] = replayed
-            self._num_tokens += len(replayed)
-            while self._num_tokens > self.max_tokens:
-                _, evicted = self._messages.popitem(last=False)
-                self._num_tokens -= len(evicted)
-        return replayed
-
     def replay(self, prompt_ids: list[int]) -> list[int]:
         """``prompt_ids`` with every assistant message that this keeps a generation of, after
         the same tokens, replaced by it (the same list when there is none)."""
-        if not self._messages:
+        if not len(self._messages):
             return prompt_ids
         starts = _positions(prompt_ids, self._start_id)
         role = self._role
@@ -154,13 +140,11 @@ class GeneratedMessages:
             last = begin
             segment = prompt_ids[begin:end]
             key = _key(context, segment)
-            with self._lock:
-                generated = self._messages.get(key)
-                if generated is not None:
-                    self._messages.move_to_end(key)
-                    self._num_replayed += 1
+            generated = self._messages.get(key)
             if generated is None:
                 continue
+            with self._lock:
+                self._num_replayed += 1
             context.update(generated.tobytes())
             pieces.append(generated)
             last = end
