@@ -31,7 +31,7 @@ PIECES = ["hello", " world", "é", "🙂", "<|end|>", "\n", "  ", '{"a":1}', "fu
 def whole_render(request: RenderRequest) -> list[int]:
     """The prompt as one call of the library renders it (the reference; render_prompt before
     it kept any render)."""
-    instructions = render._instructions(request) or None
+    instructions = render._instructions(request)
     has_developer = (
         instructions is not None or bool(request.tools) or request.response_format is not None
     )
@@ -42,7 +42,7 @@ def whole_render(request: RenderRequest) -> list[int]:
         today=request.today,
         channels=channels,
         has_developer=has_developer,
-        instructions=instructions,
+        instructions=instructions or None,
         tools=[
             adapter.ToolSpec(t.name, t.description, t.parameters, t.namespace)
             for t in request.tools
@@ -93,6 +93,14 @@ def test_a_composed_prompt_is_the_whole_render_token_for_token() -> None:
     requests = [random_request(rng, day) for day in range(200)]
     for request in [*requests, *requests]:  # the second pass from kept renders
         assert render.render_prompt(request) == whole_render(request)
+
+
+def test_empty_system_messages_still_make_a_developer_message() -> None:
+    request = RenderRequest(items=(Message("system", ""), Message("user", "Hi")),
+                            today=dt.date(2026, 11, 30))  # fmt: skip
+    prompt = adapter.decode(render.render_prompt(request))
+    assert "<|start|>developer<|message|><|end|>" in prompt
+    assert render.render_prompt(request) == whole_render(request)
 
 
 def test_a_next_turn_renders_only_what_is_new(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ thousand tokens a turn; the render costs ~1 ms per 1k tokens and holds the GIL),
 header's and each history message's tokens are kept, keyed by a digest of what they render
 from, and a prompt renders only what it has new (``HEADERS``, ``ITEMS``: memory bounded by
 tokens, least recently used first out). The tokens are those of one whole render
-(``tests/test_harmony_render.py`` checks it).
+(``tests/test_harmony_render_cache.py`` checks it).
 """
 
 from __future__ import annotations
@@ -61,10 +61,12 @@ def render_item(item: Item) -> list[int]:
 
 def _header(request: RenderRequest) -> array.array:
     """The system message and the developer message (if any) of ``request``'s prompt."""
-    instructions = _instructions(request) or None
+    instructions = _instructions(request)
+    # Folded system/developer messages that are all empty still make a developer message.
     has_developer = (
         instructions is not None or bool(request.tools) or request.response_format is not None
     )
+    instructions = instructions or None
     # `commentary` is where function calls go; without tools the model should not use it.
     channels = ("analysis", "commentary", "final") if request.tools else ("analysis", "final")
     tools = [(t.name, t.description, t.parameters, t.namespace) for t in request.tools]
