@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gptoss_serve.harmony.conversation import FUNCTIONS, recipient
+
 # One-line JSON with at most one space after `,` and `:` (`{"a":1,"b":2}` as in Harmony's own
 # examples, or `{"a": 1, "b": 2}`): a model cannot pad its answer with whitespace forever.
 # The separators are regular expressions.
@@ -46,11 +48,11 @@ class ToolConstraint:
 
     name: str
     parameters: dict[str, Any] | None = None
-    namespace: str = "functions"
+    namespace: str = FUNCTIONS
 
     @property
     def recipient(self) -> str:
-        return f"{self.namespace}.{self.name}"
+        return recipient(self.namespace, self.name)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ Role = Literal["user", "assistant", "system", "developer"]
 FUNCTIONS = "functions"
 
 
+def recipient(namespace: str, name: str) -> str:
+    """What the model writes after ``to=`` to call ``name`` of ``namespace`` (and the author of
+    its result): ``functions.f``, ``ns.f``. ``split_recipient`` reads it back."""
+    return f"{namespace}.{name}"
+
+
 @dataclass(frozen=True)
 class FunctionTool:
     name: str
@@ -27,7 +33,7 @@ class FunctionTool:
     @property
     def recipient(self) -> str:
         """What the model writes after ``to=`` to call it."""
-        return f"{self.namespace}.{self.name}"
+        return recipient(self.namespace, self.name)
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ class FunctionCall:
 
     @property
     def recipient(self) -> str:
-        return f"{self.namespace}.{self.name}"
+        return recipient(self.namespace, self.name)
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class FunctionCallOutput:
 
     @property
     def author(self) -> str:
-        return f"{self.namespace}.{self.name}"
+        return recipient(self.namespace, self.name)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gptoss_serve.harmony.conversation import FUNCTIONS, FunctionTool, ToolNamespace
+from gptoss_serve.harmony.conversation import FUNCTIONS, FunctionTool, ToolNamespace, recipient
 from gptoss_serve.server.errors import bad_request
 from gptoss_serve.server.protocol import (
     MAX_TOOLS,
@@ -36,7 +36,7 @@ class DeclaredFunction:
 
     @property
     def recipient(self) -> str:
-        return f"{self.namespace}.{self.spec.name}"
+        return recipient(self.namespace, self.spec.name)
 
     def as_tool(self) -> FunctionTool:
         spec = self.spec
