@@ -45,6 +45,11 @@ def kernel_times(fn: Callable[[], object], calls: int, spans: dict | None = None
             fn()
         torch.cuda.synchronize()
         host_us = (time.perf_counter() - host_start) * 1e6
+    return profiled_rows(prof, calls, host_us, spans)
+
+
+def profiled_rows(prof: profile, calls: int, host_us: float, spans: dict | None) -> list[dict]:
+    """kernel_times's rows and spans from a finished profile of ``calls`` calls."""
     totals: dict[str, list[float]] = collections.defaultdict(list)
     intervals = []
     for event in prof.events():

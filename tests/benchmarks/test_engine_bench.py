@@ -109,6 +109,32 @@ def test_a_prefill_figure_keeps_each_trial(
     }
 
 
+def test_a_turn_after_its_history_reads_the_history_from_the_cache(
+    checkpoint_dirs: dict[str, Path],
+) -> None:
+    # bench/prefix_prefill.py: an agent's turn computes only its new tokens; the history's
+    # whole blocks come from the prefix cache (nothing cached without a history).
+    weights, config = _tiny8_engine(checkpoint_dirs, max_num_seqs=4, kv_cache_tokens=512)
+    make_core, _, _ = build_engine(weights, config)
+    block = 16
+    for cached, hit in ((0, 0), (3 * block, 3 * block), (3 * block + 5, 3 * block)):
+        seconds, cached_tokens = eb.turn_after_history(
+            make_core, weights.config, cached=cached, new=20, seed=cached
+        )
+        assert seconds > 0 and cached_tokens == hit
+    entered = []
+
+    class Around:
+        def __enter__(self) -> None:
+            entered.append(True)
+
+        def __exit__(self, *exc: object) -> None:
+            entered.append(False)
+
+    eb.turn_after_history(make_core, weights.config, cached=block, new=4, seed=1, around=Around)
+    assert entered == [True, False]
+
+
 def test_the_figures_in_the_tables_order_with_their_ceilings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -170,8 +196,8 @@ class _ClockedCore:
 
     def step(self) -> SimpleNamespace:
         self.clock[0] += 1.0
-        outputs = [SimpleNamespace(request_id=r, new_token_ids=[0]) for r, n in self.left.items()
-                   if n]  # fmt: skip
+        outputs = [SimpleNamespace(request_id=r, new_token_ids=[0], num_cached_tokens=0)
+                   for r, n in self.left.items() if n]  # fmt: skip
         self.left = {r: max(n - 1, 0) for r, n in self.left.items()}
         return SimpleNamespace(failed=[], outputs=outputs)
 

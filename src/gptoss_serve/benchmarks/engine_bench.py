@@ -109,10 +109,16 @@ class Scenario:
         self.rng = random.Random(seed)
         self.first_token_at: dict[str, float] = {}
         self.num_tokens: dict[str, int] = {}
+        self.cached_tokens: dict[str, int] = {}  # each request's prefix-cache hit
+
+    def prompt(self, length: int) -> list[int]:
+        """Random ids below 200000 (the real vocabulary's ordinary tokens): no shared prefix."""
+        return [self.rng.randrange(min(self.vocab_size, 200_000)) for _ in range(length)]
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
-        # Random ids below 200000 (the real vocabulary's ordinary tokens): no shared prefix.
-        prompt = [self.rng.randrange(min(self.vocab_size, 200_000)) for _ in range(prompt_len)]
+        self.add_tokens(request_id, self.prompt(prompt_len), max_tokens)
+
+    def add_tokens(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0,
                                 seed=self.rng.getrandbits(31), logprobs=self.logprobs)  # fmt: skip
         self.core.add_request(request_id, prompt, params)
@@ -126,6 +132,7 @@ class Scenario:
             raise RuntimeError(f"requests failed in the benchmark: {result.failed}")
         for output in result.outputs:
             self.first_token_at.setdefault(output.request_id, now)
+            self.cached_tokens.setdefault(output.request_id, output.num_cached_tokens)
             self.num_tokens[output.request_id] += len(output.new_token_ids)
 
     def run(self) -> float:
@@ -180,6 +187,26 @@ def prefill_rates(
         with meter or contextlib.nullcontext():
             rates.append(length / scenario.run())
     return rates
+
+
+def turn_after_history(
+    make_core: Callable[[], EngineCore], config: ModelConfig, *, cached: int, new: int,
+    seed: int, around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[float, int]:  # fmt: skip
+    """An agent's next turn: on a fresh core, a request of ``cached`` prompt tokens runs to
+    its first token (the history), then one of those tokens and ``new`` more (the turn) runs
+    to its first token inside ``around()``. Returns the turn's seconds (``Scenario.run``'s) and
+    how many of its prompt tokens the prefix cache gave (whole blocks of the history)."""
+    scenario = Scenario(make_core, config.vocab_size, seed=seed)
+    history = scenario.prompt(cached)
+    if history:
+        scenario.add_tokens("history", history, 1)
+        while scenario.core.has_unfinished_requests:
+            scenario.step()
+    scenario.add_tokens("turn", history + scenario.prompt(new), 1)
+    with around():
+        elapsed = scenario.run()
+    return elapsed, scenario.cached_tokens["turn"]
 
 
 def max_throughput_tok_s(
