@@ -4,7 +4,7 @@ full-attention layer and a sliding-window one (120b heads: 64 query heads over 8
 head_dim 64, pages of 16 in random order). ``--cached N``: the prompt's tokens come after N
 already in the cache (an agent's next turn: prefill on top of a prefix-cache hit).
 
-    python bench/attention_prefill_sweep.py [--tokens 2048 8192] [--cached N] [--full-only]
+    python bench/attention_prefill_sweep.py [--tokens 2048 8192] [--cached N ...] [--full-only]
                                             [--tiles 64x64x4x2 ...]
                                             [--out bench/results/attention_prefill_sweep.json]
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import logging
 import os
 import statistics
@@ -61,7 +62,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/attention_prefill_sweep.json"))
     parser.add_argument("--tokens", type=int, nargs="*", default=[2048, 8192])
-    parser.add_argument("--cached", type=int, default=0, help="keys in the cache before them")
+    parser.add_argument(
+        "--cached",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="keys in the cache before them (each with each --tokens)",
+    )
     parser.add_argument("--full-only", action="store_true", help="skip the sliding layer")
     parser.add_argument(
         "--tiles",
@@ -80,8 +87,8 @@ def main() -> int:
     if args.tiles:
         variants = [tuple(int(n) for n in tiles.split("x")) for tiles in args.tiles]
     rows = []
-    for tokens in args.tokens:
-        seq_len = args.cached + tokens
+    for cached, tokens in itertools.product(args.cached, args.tokens):
+        seq_len = cached + tokens
         blocks = -(-seq_len // page)
         shape = (blocks, page, kv, d)
         k_cache, v_cache = _normal(shape, 1.0, "cuda"), _normal(shape, 1.0, "cuda")
@@ -92,7 +99,7 @@ def main() -> int:
         queries = [_normal((tokens, a, d), 1.0, "cuda") for _ in range(4)]
         inputs = (k_cache, v_cache, tables, starts, seq_lens, sinks)
         for window in (None,) if args.full_only else (None, config.sliding_window):
-            flops = 4 * d * a * visible_pairs(tokens, window, args.cached)
+            flops = 4 * d * a * visible_pairs(tokens, window, cached)
             reference = None
             for variant in variants:
                 prefill.GPU_TILES = prefill.SLIDING_GPU_TILES = prefill.PrefillTiles(*variant)
@@ -111,9 +118,10 @@ def main() -> int:
                 diff = (out.float() - reference.float()).abs().max().item()
                 us = statistics.median(times) * 1e3
                 tflops = flops / (us * 1e-6) / 1e12
-                logger.info("T %5d window %-4s tiles %-18s %9.1f us %7.1f TFLOP/s  diff %.2e",
-                            tokens, window, variant, us, tflops, diff)  # fmt: skip
-                rows.append({"tokens": tokens, "cached": args.cached, "window": window,
+                logger.info("T %5d cached %6d window %-4s tiles %-18s %9.1f us %7.1f TFLOP/s"
+                            "  diff %.2e", tokens, cached, window, variant, us, tflops,
+                            diff)  # fmt: skip
+                rows.append({"tokens": tokens, "cached": cached, "window": window,
                              "tiles": variant,
                              "us": round(us, 1), "tflops": round(tflops, 1),
                              "max_abs_diff": diff})  # fmt: skip
