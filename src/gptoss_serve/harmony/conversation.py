@@ -119,7 +119,16 @@ class Reasoning:
     text: str
 
 
-Item = Message | FunctionCall | FunctionCallOutput | Reasoning
+@dataclass(frozen=True)
+class Compaction:
+    """A summary of the conversation before it, which stands in for the items it replaced (a
+    ``compaction`` item of ``/v1/responses/compact``): rendered as a user message that says
+    what it is."""
+
+    text: str
+
+
+Item = Message | FunctionCall | FunctionCallOutput | Reasoning | Compaction
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import (
+    Compaction,
     FunctionCall,
     FunctionCallOutput,
     Item,
@@ -37,6 +38,11 @@ from gptoss_serve.harmony.token_lru import TokenLru
 
 # Folded into the developer message's instructions instead of rendered in place.
 _INSTRUCTION_ROLES = ("system", "developer")
+# What a compaction's summary is rendered after, in the user message that carries it.
+COMPACTION_INTRO = (
+    "The conversation so far was compacted: the items before this point were replaced by the "
+    "summary below, written to continue from. Continue the conversation from it.\n\n"
+)
 
 
 # The renders kept (4 bytes a token): headers (a Codex CLI's is ~6k tokens) and history items.
@@ -160,6 +166,8 @@ def _message_spec(item: Item) -> adapter.MessageSpec:
             return adapter.MessageSpec(item.role, item.text)
         case Reasoning():
             return adapter.MessageSpec("assistant", item.text, channel="analysis")
+        case Compaction():
+            return adapter.MessageSpec("user", COMPACTION_INTRO + item.text)
         case FunctionCall():
             return adapter.MessageSpec(
                 "assistant",

@@ -21,6 +21,7 @@ from gptoss_serve.server.api_keys import ApiKeyAuth
 from gptoss_serve.server.background import BackgroundRuns
 from gptoss_serve.server.body_limit import BodyLimit
 from gptoss_serve.server.chat_routes import ChatServices, add_chat_routes
+from gptoss_serve.server.compaction import compacted, prepare_compaction
 from gptoss_serve.server.conversation_locks import ConversationLocks
 from gptoss_serve.server.conversation_routes import add_conversation_routes
 from gptoss_serve.server.cors import OpenAICors
@@ -29,6 +30,7 @@ from gptoss_serve.server.errors import bad_request, install_error_handlers, not_
 from gptoss_serve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gptoss_serve.server.metrics import ServerMetrics
 from gptoss_serve.server.objects import (
+    CompactedResponseObject,
     DeletedResponse,
     ErrorResponse,
     InputItemList,
@@ -37,7 +39,11 @@ from gptoss_serve.server.objects import (
     ModelObject,
     ResponseObject,
 )
-from gptoss_serve.server.protocol import CreateResponseRequest, InputTokenCountRequest
+from gptoss_serve.server.protocol import (
+    CompactRequest,
+    CreateResponseRequest,
+    InputTokenCountRequest,
+)
 from gptoss_serve.server.render_workers import RenderWorkers
 from gptoss_serve.server.request_ids import RequestIds
 from gptoss_serve.server.responses import Prepared, count_input_tokens, prepare, run
@@ -105,6 +111,20 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
         _check_previous_ended(runs, request.previous_response_id)
         count = await count_input_tokens(request, engine, store, config, renderers, replays=replays)
         return InputTokenCount(input_tokens=count)
+
+    @app.post("/v1/responses/compact", response_model=CompactedResponseObject,
+              responses={**_ERRORS, 413: {"model": ErrorResponse}})  # fmt: skip
+    async def compact_conversation(body: CompactRequest, request: Request):
+        _check_previous_ended(runs, body.previous_response_id)
+        compacting = await prepare_compaction(
+            body, engine, store, config, renderers, replays=replays
+        )
+        done = _complete(compacting.prepared, engine, store, metrics)
+        if not await unless_client_leaves(done, request):
+            logger.info("compaction %s: the client left; generation stopped",
+                        compacting.prepared.response.id)  # fmt: skip
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(compacted(compacting).model_dump(mode="json"))
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
     async def get_response(

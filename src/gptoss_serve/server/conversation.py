@@ -13,6 +13,7 @@ from pydantic import TypeAdapter
 
 from gptoss_serve.harmony.conversation import (
     FUNCTIONS,
+    Compaction,
     FunctionCall,
     FunctionCallOutput,
     Item,
@@ -22,6 +23,7 @@ from gptoss_serve.harmony.conversation import (
 from gptoss_serve.server.errors import APIError, bad_request
 from gptoss_serve.server.objects import new_id
 from gptoss_serve.server.protocol import (
+    CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
@@ -29,13 +31,14 @@ from gptoss_serve.server.protocol import (
     ItemReference,
     ReasoningItem,
 )
-from gptoss_serve.server.reasoning_seal import unseal
+from gptoss_serve.server.reasoning_seal import COMPACTION_PREFIX, unseal
 
 _KINDS = {
     "message": Message,
     "function_call": FunctionCall,
     "function_call_output": FunctionCallOutput,
     "reasoning": Reasoning,
+    "compaction": Compaction,
 }
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 _INPUT_ITEM: TypeAdapter = TypeAdapter(InputItem)
@@ -98,6 +101,10 @@ class InputConverter:
         elif isinstance(raw, ReasoningItem):
             self.items.append(Reasoning(_reasoning_text(raw, param)))
             self.listed.append(_listed(raw, "rs"))
+        elif isinstance(raw, CompactionItem):
+            self.items.append(Compaction(_compaction_summary(raw, param)))
+            listed = raw.model_dump(mode="json", exclude_none=True)  # it has no status
+            self.listed.append({**listed, "id": raw.id or new_id("cmp")})
 
     def _add_message(self, raw: InputMessage, param: str) -> None:
         if raw.role != "assistant" and not isinstance(raw.content, str):
@@ -126,6 +133,17 @@ def _reasoning_text(raw: ReasoningItem, param: str) -> str:
             "made by this server.", f"{param}.encrypted_content", "invalid_encrypted_content",
         )  # fmt: skip
     return text
+
+
+def _compaction_summary(raw: CompactionItem, param: str) -> str:
+    summary = unseal(raw.encrypted_content, COMPACTION_PREFIX)
+    if summary is None:
+        raise bad_request(
+            "The encrypted content of this compaction item could not be decoded: it was not "
+            "made by this server's /v1/responses/compact.", f"{param}.encrypted_content",
+            "invalid_encrypted_content",
+        )  # fmt: skip
+    return summary
 
 
 def _parse_stored_item(stored: dict[str, Any]) -> Any:

@@ -165,6 +165,17 @@ class InputTokenCount(BaseModel):
     input_tokens: int
 
 
+class CompactedResponseObject(BaseModel):
+    """``POST /v1/responses/compact``'s answer: the conversation's user messages, then one
+    ``compaction`` item (server/compaction.py)."""
+
+    id: str
+    object: Literal["response.compaction"] = "response.compaction"
+    created_at: int
+    output: list[dict[str, Any]]
+    usage: Usage
+
+
 class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"

@@ -138,6 +138,17 @@ class ReasoningItem(StrictModel):
         return "".join(part.text for part in self.content or ())
 
 
+class CompactionItem(StrictModel):
+    """What ``/v1/responses/compact`` returns after the user messages: the summary of the
+    conversation up to it (``encrypted_content``, server/reasoning_seal.py), sent back in
+    place of the items it replaced."""
+
+    type: Literal["compaction"]
+    encrypted_content: str = Field(min_length=1)
+    id: str | None = None
+    created_by: str | None = None
+
+
 class ItemReference(StrictModel):
     type: Literal["item_reference"]
     id: str = Field(min_length=1)
@@ -155,6 +166,7 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[CompactionItem, Tag("compaction")]
     | Annotated[ItemReference, Tag("item_reference")],
     Discriminator(_item_type),
 ]
@@ -445,6 +457,26 @@ class InputTokenCountRequest(StrictModel):
         fields["model"] = self.model or served_model
         fields.setdefault("input", [])
         return CreateResponseRequest.model_construct(**fields)
+
+
+class CompactImage(StrictModel):
+    context_compression: Literal["enabled", "disabled"]
+
+
+class CompactRequest(StrictModel):
+    """``POST /v1/responses/compact``: the conversation to compact (``input``, after the
+    ``previous_response_id`` chain's if given) and the instructions it runs under. The
+    prompt-cache fields and ``service_tier`` are taken as hints and change nothing here."""
+
+    model: str = Field(min_length=1)
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "fast", "flex", "priority"] | None = None
+    image: CompactImage | None = None
 
 
 # -- /v1/conversations ------------------------------------------------------------------------

@@ -136,8 +136,8 @@ async def prepare(
     conversation_id = request.conversation_id
     lease = None if conversation_id is None else locks.acquire(conversation_id)
     try:
-        draft = await _begin(request, engine, store, config)
-        prepared = finish(draft, config, await _fit(draft, renderers, replays))
+        draft = await make_draft(request, engine, store, config)
+        prepared = finish(draft, config, await fit_prompt(draft, renderers, replays))
     except BaseException:
         if lease is not None:
             lease.release()
@@ -159,12 +159,12 @@ async def count_input_tokens(
 ) -> int:
     """The tokens of the prompt ``request`` makes (after ``truncation: auto`` dropped what it
     must): ``POST /v1/responses/input_tokens``. Raises APIError as ``prepare`` does."""
-    draft = await _begin(request, engine, store, config)
-    prompt_ids, _ = await _fit(draft, renderers, replays)
+    draft = await make_draft(request, engine, store, config)
+    prompt_ids, _ = await fit_prompt(draft, renderers, replays)
     return len(prompt_ids)
 
 
-async def _begin(
+async def make_draft(
     request: CreateResponseRequest, engine: EngineClient, store: ResponseStore, config: ServerConfig
 ) -> Draft:
     """``begin`` in a worker thread when it reads a stored conversation: a long one is a
@@ -175,13 +175,15 @@ async def _begin(
     return await asyncio.to_thread(begin, request, engine, store, config)
 
 
-async def _fit(
-    draft: Draft, renderers: RenderWorkers, replays: GeneratedMessages
+async def fit_prompt(
+    draft: Draft, renderers: RenderWorkers, replays: GeneratedMessages, *, reserve: int = 0
 ) -> tuple[list[int], RenderRequest]:
     """The draft's prompt fitted to the context (``context_fit``), with the generated
     messages ``replays`` knows replayed (unless that would leave no room for an output
-    token: the generated tokens of a message may be more than its render's)."""
-    render, truncation, context = draft.render, draft.request.truncation, draft.context
+    token: the generated tokens of a message may be more than its render's). ``reserve``:
+    tokens of the context kept free besides that one (the prompt fits in the rest)."""
+    render, truncation = draft.render, draft.request.truncation
+    context = max(draft.context - reserve, 1)
     if context_fit.large_input(render.items):
         bounds = await asyncio.to_thread(context_fit.token_bounds, render.items, context)
     else:

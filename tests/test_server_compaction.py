@@ -1,0 +1,218 @@
+"""``POST /v1/responses/compact`` (the SDK's ``client.responses.compact``) and ``compaction``
+input items: a conversation becomes its user messages and one compaction item whose summary
+the model wrote; sent back, the summary stands in for the items it replaced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from openai.types.responses import (
+    CompactedResponse,
+    Response,
+    ResponseCompactionItem,
+    ResponseInputMessageItem,
+)
+
+from gptoss_serve.config import ServerConfig
+from gptoss_serve.engine.client import EngineInfo
+from gptoss_serve.harmony.adapter import decode
+from gptoss_serve.harmony.render import COMPACTION_INTRO
+from gptoss_serve.server.app import create_app
+from gptoss_serve.server.compaction import REASONING_BUDGET, SUMMARY_REQUEST, SUMMARY_TOKENS
+from gptoss_serve.server.reasoning_seal import COMPACTION_PREFIX, seal, unseal
+from gptoss_serve.server.store import ResponseStore
+from server_helpers import PREAMBLE_AND_CALL, TOOLS, ScriptedEngine, harmony_tokens, scripted_server
+from test_server_errors import assert_error
+
+SUMMARY = "Asked for the weather in Oslo: 12 C and sunny. Nothing left to do."
+SUMMARY_REPLY = (
+    "<|channel|>analysis<|message|>Summarise.<|end|><|start|>assistant<|channel|>final"
+    f"<|message|>{SUMMARY}<|return|>"
+)
+ANSWER = "<|channel|>final<|message|>It is sunny.<|return|>"
+
+
+def _compact(client: TestClient, **body: Any) -> dict[str, Any]:
+    response = client.post("/v1/responses/compact", json={"model": "demo", **body})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    # The SDK types the output as output items, which have no user message: the user
+    # messages are input messages (as the official API's), the last item the compaction.
+    *users, item = data["output"]
+    for user in users:
+        ResponseInputMessageItem.model_validate(user)
+    ResponseCompactionItem.model_validate(item)
+    CompactedResponse.model_validate({**data, "output": [item]})
+    return data
+
+
+def _create(client: TestClient, **body: Any) -> dict[str, Any]:
+    response = client.post("/v1/responses", json={"model": "demo", **body})
+    assert response.status_code == 200, response.text
+    Response.model_validate(response.json())
+    return response.json()
+
+
+def test_a_conversation_compacts_to_its_user_messages_and_a_summary(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    scripted_engine.queue(harmony_tokens(PREAMBLE_AND_CALL))
+    first = _create(scripted_client, input="Weather in Oslo?", tools=TOOLS)
+    call = first["output"][-1]
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY))
+    later = [{"type": "function_call_output", "call_id": call["call_id"], "output": "12 C"},
+             {"id": "msg_mine", "role": "user", "content": "And tomorrow?"}]  # fmt: skip
+    compact = _compact(scripted_client, previous_response_id=first["id"], input=later,
+                       instructions="Be brief.")  # fmt: skip
+    assert compact["object"] == "response.compaction"
+    *users, item = compact["output"]
+    assert [(u["role"], u["content"]) for u in users] == [
+        ("user", [{"type": "input_text", "text": "Weather in Oslo?"}]),
+        ("user", [{"type": "input_text", "text": "And tomorrow?"}]),
+    ]
+    assert users[1]["id"] == "msg_mine"  # an input message keeps its id
+    assert set(item) == {"id", "type", "encrypted_content"} and item["type"] == "compaction"
+    assert item["encrypted_content"].startswith(COMPACTION_PREFIX)
+    assert unseal(item["encrypted_content"], COMPACTION_PREFIX) == SUMMARY
+    usage = compact["usage"]
+    assert usage["input_tokens"] == len(scripted_engine.prompts[-1])
+    assert usage["output_tokens"] == len(harmony_tokens(SUMMARY_REPLY))
+    # The summary's prompt: the whole conversation under the instructions, then the request
+    # for it; no tools declared; brief reasoning, room for the summary, stored nowhere.
+    prompt = decode(scripted_engine.prompts[-1])
+    assert "Be brief." in prompt and "namespace functions" not in prompt
+    assert "12 C" in prompt and "to=functions.get_weather" in prompt
+    assert prompt.endswith(f"<|start|>user<|message|>{SUMMARY_REQUEST}<|end|><|start|>assistant")
+    params = scripted_engine.params[-1]
+    assert params.max_tokens == REASONING_BUDGET + SUMMARY_TOKENS
+    assert f"analysis_text[max_tokens={REASONING_BUDGET}]" in params.grammar
+    assert scripted_client.get(f"/v1/responses/{compact['id']}").status_code == 404
+
+
+def test_the_compacted_output_sent_back_continues_the_conversation(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY))
+    compact = _compact(scripted_client, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "12 C."},
+    ])  # fmt: skip
+    scripted_engine.queue(harmony_tokens(ANSWER))
+    turn = _create(scripted_client, input=[*compact["output"],
+                                           {"role": "user", "content": "Tomorrow?"}])  # fmt: skip
+    prompt = decode(scripted_engine.prompts[-1])
+    assert prompt.endswith(
+        "<|start|>user<|message|>Weather in Oslo?<|end|>"
+        f"<|start|>user<|message|>{COMPACTION_INTRO}{SUMMARY}<|end|>"
+        "<|start|>user<|message|>Tomorrow?<|end|><|start|>assistant"
+    )
+    assert "12 C." not in prompt  # what the summary replaced
+    # The item is kept as it came (no status), in the input items and in the chain after it.
+    listed = scripted_client.get(f"/v1/responses/{turn['id']}/input_items?order=asc").json()
+    assert listed["data"][1] == compact["output"][1]
+    scripted_engine.queue(harmony_tokens(ANSWER))
+    _create(scripted_client, previous_response_id=turn["id"], input="And after?")
+    assert f"{COMPACTION_INTRO}{SUMMARY}" in decode(scripted_engine.prompts[-1])
+    # By reference, as any stored input item.
+    scripted_engine.queue(harmony_tokens(ANSWER))
+    item_id = compact["output"][1]["id"]
+    _create(scripted_client, input=[{"type": "item_reference", "id": item_id}])
+    assert decode(scripted_engine.prompts[-1]).endswith(
+        f"<|start|>user<|message|>{COMPACTION_INTRO}{SUMMARY}<|end|><|start|>assistant"
+    )
+
+
+def test_a_second_compaction_summarises_the_first(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    earlier = {"type": "compaction", "encrypted_content": seal("Old summary.", COMPACTION_PREFIX)}
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY))
+    compact = _compact(scripted_client, input=[
+        {"role": "user", "content": "First."}, earlier, {"role": "user", "content": "Second."},
+    ])  # fmt: skip
+    assert [o["type"] for o in compact["output"]] == ["message", "message", "compaction"]
+    assert f"{COMPACTION_INTRO}Old summary." in decode(scripted_engine.prompts[-1])
+
+
+def test_a_string_input_and_a_conversation_item(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY))
+    compact = _compact(scripted_client, input="Just this.")
+    assert compact["output"][0]["content"][0]["text"] == "Just this."
+    item = compact["output"][-1]
+    created = scripted_client.post("/v1/conversations", json={"items": [item]})
+    assert created.status_code == 200, created.text
+    conversation = created.json()["id"]
+    listed = scripted_client.get(f"/v1/conversations/{conversation}/items").json()["data"]
+    assert listed == [item]
+    scripted_engine.queue(harmony_tokens(ANSWER))
+    _create(scripted_client, conversation=conversation, input="Go on.")
+    assert f"{COMPACTION_INTRO}{SUMMARY}" in decode(scripted_engine.prompts[-1])
+
+
+def test_a_long_conversation_is_summarised_from_its_latest_items() -> None:
+    """A conversation near the context's end: the summary's prompt drops its oldest items to
+    leave the summary room; the output still lists every user message."""
+    engine = ScriptedEngine()
+    engine.info = EngineInfo("demo", 4000, 201088, created_at=1700000000)
+    engine.last_script = harmony_tokens(SUMMARY_REPLY)
+    words = " ".join(["word"] * 300)
+    conversation = [{"role": "user", "content": f"Message {n}: {words}"} for n in range(8)]
+    with TestClient(create_app(engine, ResponseStore(":memory:"), ServerConfig())) as client:
+        compact = _compact(client, input=conversation)
+    assert len(compact["output"]) == 9
+    prompt = decode(engine.prompts[-1])
+    assert "Message 0:" not in prompt and "Message 7:" in prompt
+    assert len(engine.prompts[-1]) + REASONING_BUDGET + SUMMARY_TOKENS <= 4000
+
+
+# The SDK types the compacted output as output items: dumping its user messages back as input
+# warns that an input_text part is not an output_text one (as with the official API's).
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning")
+def test_the_sdk_compacts() -> None:
+    with scripted_server(SUMMARY_REPLY) as (_, client, _engine):
+        first = client.responses.create(model="demo", input="Weather in Oslo?")
+        compact = client.responses.compact(model="demo", previous_response_id=first.id)
+        assert isinstance(compact, CompactedResponse)
+        assert compact.output[-1].type == "compaction"
+        nxt = client.responses.create(
+            model="demo", input=[*compact.output, {"role": "user", "content": "More?"}]
+        )
+        assert nxt.status == "completed"
+
+
+def test_bad_compactions_are_400s(scripted_client: TestClient) -> None:
+    def post(path: str = "/v1/responses/compact", **body: Any):
+        return scripted_client.post(path, json={"model": "demo", **body})
+
+    assert_error(post(), 400, "input")  # nothing to compact
+    assert_error(post(input=[]), 400, "input")
+    assert_error(post(model="gpt-4o", input="Hi"), 404, "model", "model_not_found")
+    assert_error(post(previous_response_id="resp_nope"), 404, "previous_response_id",
+                 "previous_response_not_found")  # fmt: skip
+    assert_error(post(input="Hi", tools=[]), 400, "tools")  # not a field of compact
+    assert_error(post(input="Hi", image={"context_compression": "maybe"}), 400,
+                 "image.context_compression")  # fmt: skip
+    forged = {"type": "compaction", "encrypted_content": "opaque-from-elsewhere"}
+    for path in ("/v1/responses/compact", "/v1/responses"):
+        assert_error(post(path, input=[forged]), 400, "input[0].encrypted_content",
+                     "invalid_encrypted_content")  # fmt: skip
+    # A reasoning item's sealed text is not a compaction's.
+    reasoning = {"type": "compaction", "encrypted_content": seal("thoughts")}
+    assert_error(post("/v1/responses", input=[reasoning]), 400, "input[0].encrypted_content",
+                 "invalid_encrypted_content")  # fmt: skip
+    assert_error(post("/v1/responses", input=[{"type": "compaction"}]), 400,
+                 "input[0].encrypted_content")  # fmt: skip
+
+
+def test_a_failed_summary_is_a_server_error(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    scripted_engine.queue([*harmony_tokens("<|channel|>final<|message|>Sum"), RuntimeError("x")])
+    response = scripted_client.post("/v1/responses/compact",
+                                    json={"model": "demo", "input": "Hi"})  # fmt: skip
+    assert_error(response, 500, None, "server_error")
+    assert response.json()["error"]["type"] == "server_error"
