@@ -15,6 +15,7 @@ import pytest
 
 from gptoss_serve.harmony import adapter
 from gptoss_serve.harmony.conversation import (
+    Compaction,
     FunctionCall,
     FunctionCallOutput,
     FunctionTool,
@@ -24,7 +25,8 @@ from gptoss_serve.harmony.conversation import (
     RenderRequest,
     ResponseFormat,
 )
-from gptoss_serve.harmony.render import render_prompt
+from gptoss_serve.harmony.render import COMPACTION_INTRO, compacted_away, render_prompt
+from gptoss_serve.server.context_fit import token_bounds
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 TODAY = dt.date(2026, 1, 2)
@@ -244,3 +246,31 @@ def test_commentary_channel_only_with_tools(has_tools: bool) -> None:
 def test_bad_reasoning_effort() -> None:
     with pytest.raises(ValueError, match="reasoning_effort"):
         render_prompt(RenderRequest(items=(), reasoning_effort="extreme", today=TODAY))  # type: ignore[arg-type]
+
+
+def test_a_compaction_stands_in_for_the_items_before_it_but_the_user_messages() -> None:
+    call = FunctionCall("call_1", "get_weather", '{"location": "Oslo"}')
+    before = [
+        Message("user", "First."), Reasoning("Think."), call,
+        FunctionCallOutput("call_1", "get_weather", "12 C"), Message("assistant", "12 C."),
+        Compaction("Old summary."), Message("user", "Second."), Message("developer", "Be terse."),
+    ]  # fmt: skip
+    after = [Compaction("New summary."), Message("assistant", "Go on."), Message("user", "Third.")]
+    items = (*before, *after)
+    kept = [Message("user", "First."), Message("user", "Second."),
+            Message("developer", "Be terse."), *after]  # fmt: skip
+    assert compacted_away(items) == {1, 2, 3, 4, 5}
+    assert compacted_away(before[:5]) == frozenset()  # no compaction: nothing out
+    assert render_prompt(RenderRequest(items, today=TODAY)) == render_prompt(
+        RenderRequest(tuple(kept), today=TODAY)
+    )
+    text = adapter.decode(render_prompt(RenderRequest(items, today=TODAY)))
+    assert "Be terse." in text  # system/developer messages still fold into the instructions
+    assert text.endswith(
+        f"<|start|>user<|message|>{COMPACTION_INTRO}New summary.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Go on.<|end|>"
+        "<|start|>user<|message|>Third.<|end|><|start|>assistant"
+    )
+    # What the render leaves out counts nothing towards the context.
+    bounds = token_bounds(items, 131072)
+    assert [bounds[index] for index in (1, 2, 3, 4, 5)] == [0] * 5 and bounds[0] > 0

@@ -25,6 +25,7 @@ from gptoss_serve.server.reasoning_seal import COMPACTION_PREFIX, seal, unseal
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import PREAMBLE_AND_CALL, TOOLS, ScriptedEngine, harmony_tokens, scripted_server
 from test_server_errors import assert_error
+from test_server_stream import EVENT_TYPES, sse_events
 
 SUMMARY = "Asked for the weather in Oslo: 12 C and sunny. Nothing left to do."
 SUMMARY_REPLY = (
@@ -216,3 +217,161 @@ def test_a_failed_summary_is_a_server_error(
                                     json={"model": "demo", "input": "Hi"})  # fmt: skip
     assert_error(response, 500, None, "server_error")
     assert response.json()["error"]["type"] == "server_error"
+
+
+# -- context_management: compaction inside a response -----------------------------------------
+
+REPLY = "<|channel|>final<|message|>Tomorrow: rain.<|return|>"
+MANAGED = [{"type": "compaction", "compact_threshold": 60}]
+
+
+def _tool_history(client: TestClient, engine: ScriptedEngine) -> list[dict[str, Any]]:
+    """A finished tool loop, as a stateless client keeps it: items with assistant, call and
+    output items worth compacting."""
+    engine.queue(harmony_tokens(PREAMBLE_AND_CALL))
+    first = _create(client, input="Weather in Oslo?", tools=TOOLS, store=False)
+    call = first["output"][-1]
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "12 C"}
+    return [{"role": "user", "content": "Weather in Oslo?"}, *first["output"], output,
+            {"role": "user", "content": "And tomorrow?"}]  # fmt: skip
+
+
+def test_a_prompt_over_the_threshold_is_compacted_first(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    history = _tool_history(scripted_client, scripted_engine)
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY), harmony_tokens(REPLY))
+    response = _create(scripted_client, input=history, tools=TOOLS, context_management=MANAGED)
+    compaction, answer = response["output"]
+    assert set(compaction) == {"type", "id", "encrypted_content"}
+    assert compaction["type"] == "compaction" and compaction["id"].startswith("cmp_")
+    assert unseal(compaction["encrypted_content"], COMPACTION_PREFIX) == SUMMARY
+    assert answer["content"][0]["text"] == "Tomorrow: rain."
+    summary_prompt, reply_prompt = (decode(p) for p in scripted_engine.prompts[-2:])
+    assert "12 C" in summary_prompt and summary_prompt.endswith(
+        f"{SUMMARY_REQUEST}<|end|><|start|>assistant"
+    )
+    # The reply's prompt: the tools, the user messages, the summary; nothing it replaced.
+    assert "namespace functions" in reply_prompt
+    assert "to=functions.get_weather" not in reply_prompt
+    assert "Let me check." not in reply_prompt
+    assert reply_prompt.endswith(
+        "<|start|>user<|message|>Weather in Oslo?<|end|>"
+        "<|start|>user<|message|>And tomorrow?<|end|>"
+        f"<|start|>user<|message|>{COMPACTION_INTRO}{SUMMARY}<|end|><|start|>assistant"
+    )
+    assert response["usage"]["input_tokens"] == len(scripted_engine.prompts[-1])
+    # Sent back whole (input += output), the history before the compaction stays out but for
+    # the user messages; by previous_response_id the same.
+    scripted_engine.queue(harmony_tokens(ANSWER))
+    _create(scripted_client, input=[*history, *response["output"],
+                                    {"role": "user", "content": "Thanks."}])  # fmt: skip
+    sent_back = decode(scripted_engine.prompts[-1])
+    assert "to=functions.get_weather" not in sent_back and "Tomorrow: rain." in sent_back
+    assert sent_back.endswith(
+        f"{SUMMARY}<|end|><|start|>assistant<|channel|>final<|message|>Tomorrow: rain.<|end|>"
+        "<|start|>user<|message|>Thanks.<|end|><|start|>assistant"
+    )
+    scripted_engine.queue(harmony_tokens(ANSWER))
+    _create(scripted_client, previous_response_id=response["id"], input="Thanks.")
+    assert decode(scripted_engine.prompts[-1]) == sent_back
+
+
+def test_a_prompt_under_the_threshold_is_not_compacted(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    history = _tool_history(scripted_client, scripted_engine)
+    calls = len(scripted_engine.prompts)
+    scripted_engine.queue(harmony_tokens(REPLY))
+    response = _create(
+        scripted_client,
+        input=history,
+        tools=TOOLS,
+        context_management=[{"type": "compaction", "compact_threshold": 5000}],
+    )
+    assert [item["type"] for item in response["output"]] == ["message"]
+    assert len(scripted_engine.prompts) == calls + 1  # no summary's generation
+    assert "12 C" in decode(scripted_engine.prompts[-1])
+    # Nor one of user messages alone: a summary would not shorten it.
+    scripted_engine.queue(harmony_tokens(REPLY))
+    _create(scripted_client, input="A question. " * 40, context_management=MANAGED)
+    assert len(scripted_engine.prompts) == calls + 2
+
+
+def test_a_compacting_response_streams_its_compaction_first(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    history = _tool_history(scripted_client, scripted_engine)
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY), harmony_tokens(REPLY))
+    events, final = _stream_events(scripted_client, input=history, tools=TOOLS,
+                                   context_management=MANAGED)  # fmt: skip
+    for event in events:
+        EVENT_TYPES[event["type"]].model_validate(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    created, _, added, done, next_added = events[:5]
+    assert created["response"]["output"] == []
+    assert (added["type"], done["type"]) == ("response.output_item.added",
+                                             "response.output_item.done")  # fmt: skip
+    assert added["output_index"] == done["output_index"] == 0
+    assert added["item"] == done["item"] == final["output"][0]
+    assert next_added["output_index"] == 1 and final["output"][1]["type"] == "message"
+    Response.model_validate(final)
+
+
+def test_a_conversation_past_the_context_is_compacted_rather_than_refused() -> None:
+    engine = ScriptedEngine()
+    engine.info = EngineInfo("demo", 4000, 201088, created_at=1700000000)
+    words = " ".join(["word"] * 600)
+    history = []
+    for n in range(8):
+        history += [{"role": "user", "content": f"Question {n}?"},
+                    {"role": "assistant", "content": f"Answer {n}: {words}"}]  # fmt: skip
+    history.append({"role": "user", "content": "Last?"})
+    with TestClient(create_app(engine, ResponseStore(":memory:"), ServerConfig())) as client:
+        refused = client.post("/v1/responses", json={"model": "demo", "input": history})
+        assert_error(refused, 400, "input", "context_length_exceeded")
+        engine.queue(harmony_tokens(SUMMARY_REPLY), harmony_tokens(REPLY))
+        managed = [{"type": "compaction"}]  # 80% of the context
+        response = _create(client, input=history, context_management=managed)
+    assert [item["type"] for item in response["output"]] == ["compaction", "message"]
+    summary_prompt, reply_prompt = (decode(p) for p in engine.prompts[-2:])
+    assert "Answer 0:" not in summary_prompt and "Answer 7:" in summary_prompt  # its room
+    assert "Answer" not in reply_prompt and "Question 0?" in reply_prompt
+
+
+def test_a_conversation_keeps_its_compaction(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    history = _tool_history(scripted_client, scripted_engine)
+    created = scripted_client.post("/v1/conversations", json={"items": history[:-1]})
+    conversation = created.json()["id"]
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY), harmony_tokens(REPLY))
+    response = _create(scripted_client, conversation=conversation, input="And tomorrow?",
+                       tools=TOOLS, context_management=MANAGED)  # fmt: skip
+    items = scripted_client.get(f"/v1/conversations/{conversation}/items?order=asc&limit=100")
+    listed = items.json()["data"]
+    assert listed[-2:] == response["output"]
+    scripted_engine.queue(harmony_tokens(ANSWER))
+    _create(scripted_client, conversation=conversation, input="Thanks.")
+    prompt = decode(scripted_engine.prompts[-1])
+    assert "to=functions.get_weather" not in prompt and f"{COMPACTION_INTRO}{SUMMARY}" in prompt
+
+
+def test_bad_context_management_is_a_400(scripted_client: TestClient) -> None:
+    def post(entries: Any):
+        body = {"model": "demo", "input": "Hi", "context_management": entries}
+        return scripted_client.post("/v1/responses", json=body)
+
+    assert_error(post([{"type": "truncate"}]), 400, "context_management[0].type")
+    assert_error(post([{"type": "compaction", "compact_threshold": 0}]), 400,
+                 "context_management[0].compact_threshold")  # fmt: skip
+    assert_error(post([{"type": "compaction"}] * 2), 400, "context_management")
+    assert_error(post([{"type": "compaction", "keep": 1}]), 400, "context_management[0].keep")
+
+
+def _stream_events(client: TestClient, **body: Any) -> tuple[list[dict[str, Any]], dict]:
+    payload = {"model": "demo", "stream": True, **body}
+    with client.stream("POST", "/v1/responses", json=payload) as response:
+        assert response.status_code == 200
+        events = sse_events(response.read().decode())
+    return events, events[-1]["response"]

@@ -137,18 +137,36 @@ def _instructions(request: RenderRequest) -> str | None:
 
 
 def _visible_items(items: Sequence[Item]) -> list[Item]:
-    """Drop folded system/developer messages, and every Reasoning before the last final answer:
-    the model saw that analysis in an earlier turn, which is over. Reasoning after it belongs to
-    the turn in progress (a tool loop) and is kept."""
+    """Drop folded system/developer messages, every Reasoning before the last final answer
+    (the model saw that analysis in an earlier turn, which is over; reasoning after it belongs
+    to the turn in progress, a tool loop, and is kept), and what a compaction replaced."""
     last_final = max(
         (index for index, item in enumerate(items) if is_final_answer(item)), default=-1
     )
+    hidden = compacted_away(items)
     return [
         item
         for index, item in enumerate(items)
         if not (isinstance(item, Reasoning) and index < last_final)
         and not (isinstance(item, Message) and item.role in _INSTRUCTION_ROLES)
+        and index not in hidden
     ]
+
+
+def compacted_away(items: Sequence[Item]) -> frozenset[int]:
+    """Indices of the items the last Compaction stands in for: every item before it but the
+    user messages (which a compaction keeps, as ``/v1/responses/compact`` lists them before
+    its item) and the system/developer ones (the instructions). A client that sends its whole
+    history back after a compaction (``input += output``) gets the prompt of one that kept
+    only what the compaction left."""
+    last = max(
+        (index for index, item in enumerate(items) if isinstance(item, Compaction)), default=0
+    )
+    return frozenset(
+        index
+        for index, item in enumerate(items[:last])
+        if not (isinstance(item, Message) and item.role in ("user", *_INSTRUCTION_ROLES))
+    )
 
 
 def is_final_answer(item: Item) -> bool:

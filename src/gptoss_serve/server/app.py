@@ -21,7 +21,12 @@ from gptoss_serve.server.api_keys import ApiKeyAuth
 from gptoss_serve.server.background import BackgroundRuns
 from gptoss_serve.server.body_limit import BodyLimit
 from gptoss_serve.server.chat_routes import ChatServices, add_chat_routes
-from gptoss_serve.server.compaction import compacted, prepare_compaction
+from gptoss_serve.server.compaction import (
+    Services,
+    compacted,
+    compacting_preparer,
+    prepare_compaction,
+)
 from gptoss_serve.server.conversation_locks import ConversationLocks
 from gptoss_serve.server.conversation_routes import add_conversation_routes
 from gptoss_serve.server.cors import OpenAICors
@@ -78,6 +83,7 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     runs = BackgroundRuns(engine, store, metrics)
     renderers = RenderWorkers(config.render_processes)
     locks = ConversationLocks()
+    services = Services(engine, store, config, renderers, replays, metrics)  # compaction.py
 
     app = FastAPI(title="gptoss-serve", version=__version__, lifespan=lifespan)
     _add_middleware(app, config)
@@ -90,8 +96,9 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
     async def create_response(body: CreateResponseRequest, request: Request):
         _check_previous_ended(runs, body.previous_response_id)
         prepared = await prepare(
-            body, engine, store, config, renderers, locks=locks, replays=replays
-        )
+            body, engine, store, config, renderers, locks=locks, replays=replays,
+            compactor=compacting_preparer(body, services),
+        )  # fmt: skip
         if body.background:  # runs on without this request; its events are kept
             background = runs.start(prepared)
             if body.stream:
@@ -111,20 +118,6 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
         _check_previous_ended(runs, request.previous_response_id)
         count = await count_input_tokens(request, engine, store, config, renderers, replays=replays)
         return InputTokenCount(input_tokens=count)
-
-    @app.post("/v1/responses/compact", response_model=CompactedResponseObject,
-              responses={**_ERRORS, 413: {"model": ErrorResponse}})  # fmt: skip
-    async def compact_conversation(body: CompactRequest, request: Request):
-        _check_previous_ended(runs, body.previous_response_id)
-        compacting = await prepare_compaction(
-            body, engine, store, config, renderers, replays=replays
-        )
-        done = _complete(compacting.prepared, engine, store, metrics)
-        if not await unless_client_leaves(done, request):
-            logger.info("compaction %s: the client left; generation stopped",
-                        compacting.prepared.response.id)  # fmt: skip
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(compacted(compacting).model_dump(mode="json"))
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
     async def get_response(
@@ -150,11 +143,26 @@ def create_app(engine: EngineClient, store: ResponseStore, config: ServerConfig)
             raise not_found(f"Response with id '{response_id}' not found.", "response_id")
         return DeletedResponse(id=response_id)
 
+    _add_compact_route(app, runs, services)
     _add_input_items_route(app, store)
     add_conversation_routes(app, store, locks)
     add_chat_routes(app, ChatServices(engine, store, config, renderers, locks, metrics, replays))
     _add_service_routes(app, models, metrics, engine)
     return app
+
+
+def _add_compact_route(app: FastAPI, runs: BackgroundRuns, services: Services) -> None:
+    @app.post("/v1/responses/compact", response_model=CompactedResponseObject,
+              responses={**_ERRORS, 413: {"model": ErrorResponse}})  # fmt: skip
+    async def compact_conversation(body: CompactRequest, request: Request):
+        _check_previous_ended(runs, body.previous_response_id)
+        compacting = await prepare_compaction(body, services)
+        done = _complete(compacting.prepared, services.engine, services.store, services.metrics)
+        if not await unless_client_leaves(done, request):
+            logger.info("compaction %s: the client left; generation stopped",
+                        compacting.prepared.response.id)  # fmt: skip
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(compacted(compacting).model_dump(mode="json"))
 
 
 def _add_input_items_route(app: FastAPI, store: ResponseStore) -> None:

@@ -1,31 +1,42 @@
-"""``POST /v1/responses/compact``: a conversation compacted into its user messages and one
-``compaction`` item, the summary that stands in for everything else (the official API's
-standalone compaction). A client sends the output back as the next turn's input, followed by
-its new items.
+"""Compaction: a conversation summarised by the model, the summary standing in for the items
+it replaced (the official API's two ways).
+
+- ``POST /v1/responses/compact`` (``prepare_compaction``, ``compacted``): the answer is the
+  conversation's user messages and one ``compaction`` item. A client sends it back as the next
+  turn's input, followed by its new items.
+- ``context_management: [{"type": "compaction", "compact_threshold": N}]`` on a create request
+  (``compacting_preparer``): if the conversation's prompt is over N tokens (or over the
+  context), the summary is made first; the response's first output item is the compaction,
+  and its prompt is the user messages and the summary.
 
 The model writes the summary. Its prompt is the conversation (the ``previous_response_id``
-chain's items, then ``input``) under the request's ``instructions``, followed by one more user
-message asking for the summary; it reasons briefly (``REASONING_BUDGET``) and answers in at
-most ``SUMMARY_TOKENS``. The prompt keeps room for both: a conversation too long for that
-loses its oldest items from the summary's prompt (``truncation: auto``), never from the
-output's user messages. The summary travels as the item's ``encrypted_content``
-(server/reasoning_seal.py) and is rendered, when it comes back, as a user message that says
-what it is (harmony/render.py).
+chain's or the conversation's items, then ``input``) under the request's ``instructions``,
+followed by one more user message asking for the summary; no tools are declared, it reasons
+briefly (``REASONING_BUDGET``) and answers in at most ``SUMMARY_TOKENS``. The prompt keeps room
+for both: a conversation too long for that loses its oldest items from the summary's prompt
+(``truncation: auto``), never from the listed user messages. The summary travels as the item's
+``encrypted_content`` (server/reasoning_seal.py); in a prompt it is a user message that says
+what it is, and every item before it but the user messages is left out (harmony/render.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
-from gptoss_serve.harmony.conversation import Message
+from gptoss_serve.harmony.conversation import Compaction, Item, Message
+from gptoss_serve.harmony.render import compacted_away
 from gptoss_serve.harmony.replay import GeneratedMessages
-from gptoss_serve.server.errors import APIError, bad_request
-from gptoss_serve.server.objects import CompactedResponseObject, new_id
+from gptoss_serve.server.errors import APIError
+from gptoss_serve.server.metrics import ServerMetrics
+from gptoss_serve.server.objects import CompactedResponseObject, CompactionOutput, new_id
 from gptoss_serve.server.protocol import (
     CompactRequest,
     CreateResponseRequest,
@@ -34,7 +45,7 @@ from gptoss_serve.server.protocol import (
 )
 from gptoss_serve.server.reasoning_seal import COMPACTION_PREFIX, seal
 from gptoss_serve.server.render_workers import RenderWorkers
-from gptoss_serve.server.responses import Prepared, finish, fit_prompt, make_draft
+from gptoss_serve.server.responses import Draft, Prepared, finish, fit_prompt, make_draft, run
 from gptoss_serve.server.store import ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -47,6 +58,23 @@ SUMMARY_REQUEST = (
 )
 REASONING_BUDGET = 256  # tokens of analysis before the summary must begin
 SUMMARY_TOKENS = 2048  # the summary's own room
+# context_management without compact_threshold: compact past this share of the context.
+DEFAULT_THRESHOLD_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class Services:
+    """What a summary's generation runs on (the app's)."""
+
+    engine: EngineClient
+    store: ResponseStore
+    config: ServerConfig
+    renderers: RenderWorkers
+    replays: GeneratedMessages
+    metrics: ServerMetrics | None = None
+
+
+# -- POST /v1/responses/compact ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -58,80 +86,161 @@ class Compacting:
     user_messages: list[dict[str, Any]]
 
 
-async def prepare_compaction(
-    body: CompactRequest,
-    engine: EngineClient,
-    store: ResponseStore,
-    config: ServerConfig,
-    renderers: RenderWorkers,
-    *,
-    replays: GeneratedMessages,
-) -> Compacting:
+async def prepare_compaction(body: CompactRequest, services: Services) -> Compacting:
     """Check the request and build the summary's prompt. Raises APIError (a 4xx)."""
-    request = summary_request(body)
-    draft = await make_draft(request, engine, store, config)
-    if len(draft.render.items) == 1:  # the summary request alone
-        raise bad_request("There is nothing to compact: give the conversation as input, or a "
-                          "previous_response_id.", "input")  # fmt: skip
-    fitted = await fit_prompt(draft, renderers, replays, reserve=REASONING_BUDGET + SUMMARY_TOKENS)
-    prepared = finish(draft, config, fitted)
+    request = CreateResponseRequest.model_construct(
+        model=body.model,
+        input=[InputMessage(role="user", content=body.input)]
+        if isinstance(body.input, str)
+        else list(body.input or ()),
+        instructions=body.instructions,
+        previous_response_id=body.previous_response_id,
+        prompt_cache_key=body.prompt_cache_key,
+    )
+    draft = await make_draft(request, services.engine, services.store, services.config)
     users = []
-    for index, item in enumerate(draft.render.items[:-1]):
+    for index, item in enumerate(draft.render.items):
         if not (isinstance(item, Message) and item.role == "user"):
             continue
         own = index - draft.history_len  # this request's items come with their listed form
         item_id = draft.input_items[own]["id"] if own >= 0 else new_id("msg")
         users.append({"id": item_id, "type": "message", "role": "user", "status": "completed",
                       "content": [{"type": "input_text", "text": item.text}]})  # fmt: skip
-    return Compacting(prepared, users)
+    return Compacting(await _prepare_summary(draft, services), users)
 
 
-def summary_request(body: CompactRequest) -> CreateResponseRequest:
-    """The response that writes the summary: the conversation and the summary request, under
-    the request's instructions, stored nowhere, no tools called, brief reasoning."""
-    items: list[Any] = []
-    if isinstance(body.input, str):
-        items.append(InputMessage(role="user", content=body.input))
-    elif body.input is not None:
-        items.extend(body.input)
-    items.append(InputMessage(role="user", content=SUMMARY_REQUEST))
-    return CreateResponseRequest.model_construct(
-        model=body.model,
-        input=items,
-        instructions=body.instructions,
-        previous_response_id=body.previous_response_id,
+def compacted(compacting: Compacting) -> CompactedResponseObject:
+    """The compacted response, once the summary's generation has ended. Raises APIError (a
+    500) if the generation failed."""
+    summary = CompactionOutput(id=new_id("cmp"), encrypted_content=_sealed(compacting.prepared))
+    return CompactedResponseObject(
+        id=compacting.prepared.response.id,
+        created_at=int(time.time()),
+        output=[*compacting.user_messages, summary.model_dump(mode="json")],
+        usage=compacting.prepared.response.usage,
+    )
+
+
+# -- context_management -----------------------------------------------------------------------
+
+
+def compacting_preparer(
+    request: CreateResponseRequest, services: Services
+) -> Callable[[Draft], Awaitable[Prepared]] | None:
+    """``responses.prepare``'s ``compactor`` for a request with ``context_management`` (None
+    without)."""
+    if not request.context_management:
+        return None
+    threshold = request.context_management[0].compact_threshold
+    return functools.partial(_prepare_compacted, services=services, threshold=threshold)
+
+
+async def _prepare_compacted(
+    draft: Draft, *, services: Services, threshold: int | None
+) -> Prepared:
+    """The response prepared as ``responses.prepare`` does, after its conversation was
+    summarised if its whole prompt is over ``threshold`` tokens (None: a share of the
+    context) or over the context, and the summary can leave something out."""
+    whole = dataclasses.replace(
+        draft, request=draft.request.model_copy(update={"truncation": "disabled"})
+    )
+    fitted = None
+    try:
+        fitted = await fit_prompt(whole, services.renderers, services.replays)
+    except APIError as error:
+        if error.code != "context_length_exceeded":
+            raise
+    limit = threshold or int(DEFAULT_THRESHOLD_SHARE * draft.context)
+    if fitted is not None and len(fitted[0]) <= limit:
+        return finish(draft, services.config, fitted)
+    if not _summary_leaves_out(draft.render.items):  # a summary would not shorten it
+        return finish(draft, services.config, await fit_prompt(draft, services.renderers,
+                                                               services.replays))  # fmt: skip
+    summarising = await _prepare_summary(draft, services)
+    await _run_to_end(summarising, services)
+    sealed = _sealed(summarising)
+    summary = Compaction(_answer(summarising))
+    with_summary = dataclasses.replace(
+        draft, render=dataclasses.replace(draft.render, items=(*draft.render.items, summary))
+    )
+    prompt_ids, render = await fit_prompt(with_summary, services.renderers, services.replays)
+    # The conversation is the request's (the summary is the output's first item).
+    conversation = dataclasses.replace(render, items=render.items[:-1])
+    prepared = finish(draft, services.config, (prompt_ids, conversation))
+    prepared.compaction = CompactionOutput(id=new_id("cmp"), encrypted_content=sealed)
+    logger.info("response %s: compacted a prompt of %s tokens to %d", prepared.response.id,
+                "over the context's" if fitted is None else len(fitted[0]),
+                len(prompt_ids))  # fmt: skip
+    return prepared
+
+
+def _summary_leaves_out(items: tuple[Item, ...]) -> bool:
+    """Whether the prompt has an item a summary would replace (a compaction keeps the user
+    messages, and the system/developer ones are the instructions): an assistant message, a
+    call, its output or reasoning not out of the prompt already."""
+    hidden = compacted_away(items)
+    return any(_replaceable(item) for index, item in enumerate(items) if index not in hidden)
+
+
+def _replaceable(item: Item) -> bool:
+    if isinstance(item, Compaction):
+        return False
+    if isinstance(item, Message):
+        return item.role == "assistant"
+    return True
+
+
+# -- the summary ------------------------------------------------------------------------------
+
+
+async def _prepare_summary(draft: Draft, services: Services) -> Prepared:
+    """The response that writes the summary of ``draft``'s conversation: it and the summary
+    request, under the same instructions, no tools, brief reasoning, stored nowhere, with room
+    for the summary (the oldest items out of its prompt where that room needs it)."""
+    request = CreateResponseRequest.model_construct(
+        model=draft.request.model,
+        input=[],
+        instructions=draft.request.instructions,
         store=False,
         tool_choice="none",
         truncation="auto",
         reasoning=ReasoningConfig(effort="low"),
         reasoning_budget=REASONING_BUDGET,
         max_output_tokens=REASONING_BUDGET + SUMMARY_TOKENS,
-        prompt_cache_key=body.prompt_cache_key,
+        prompt_cache_key=draft.request.prompt_cache_key,
+    )
+    items = (*draft.render.items, Message("user", SUMMARY_REQUEST))
+    render = dataclasses.replace(draft.render, items=items, tools=(), namespaces=(),
+                                 response_format=None, reasoning_effort="low")  # fmt: skip
+    summary = Draft(request, render, [], draft.model_name, draft.context, len(items))
+    fitted = await fit_prompt(summary, services.renderers, services.replays,
+                              reserve=REASONING_BUDGET + SUMMARY_TOKENS)  # fmt: skip
+    return finish(summary, services.config, fitted)
+
+
+async def _run_to_end(prepared: Prepared, services: Services) -> None:
+    async for _ in run(prepared, services.engine, services.store, services.metrics):
+        pass
+
+
+def _answer(prepared: Prepared) -> str:
+    """The summary: the text of the generation's answer."""
+    return "".join(
+        part.text
+        for item in prepared.response.output
+        if item.type == "message" and item.phase != "commentary"
+        for part in item.content
     )
 
 
-def compacted(compacting: Compacting) -> CompactedResponseObject:
-    """The compacted response, once the summary's generation has ended. Raises APIError (a
-    500) if the generation failed."""
-    response = compacting.prepared.response
+def _sealed(prepared: Prepared) -> str:
+    """The ended generation's summary, sealed; a failed one raises APIError (a 500)."""
+    response = prepared.response
     if response.status == "failed":
         message = response.error.message if response.error else "the generation failed"
         raise APIError(500, f"The compaction failed: {message}", code="server_error",
                        error_type="server_error")  # fmt: skip
-    answer = [
-        part.text
-        for item in response.output
-        if item.type == "message" and item.phase != "commentary"
-        for part in item.content
-    ]
     if response.status != "completed":
         logger.warning("compaction %s: the summary was cut at %d output tokens", response.id,
                        response.usage.output_tokens)  # fmt: skip
-    summary = {"id": new_id("cmp"), "type": "compaction",
-               "encrypted_content": seal("".join(answer), COMPACTION_PREFIX)}  # fmt: skip
-    return CompactedResponseObject(
-        id=response.id,
-        created_at=int(time.time()),
-        output=[*compacting.user_messages, summary],
-        usage=response.usage,
-    )
+    return seal(_answer(prepared), COMPACTION_PREFIX)

@@ -24,7 +24,7 @@ from gptoss_serve.harmony.conversation import (
     Reasoning,
     RenderRequest,
 )
-from gptoss_serve.harmony.render import render_prompt
+from gptoss_serve.harmony.render import compacted_away, render_prompt
 from gptoss_serve.harmony.token_count import count_tokens
 from gptoss_serve.server.errors import APIError, bad_request
 
@@ -70,7 +70,8 @@ def token_bounds(items: Sequence[Item], context: int) -> list[int]:
     """A lower bound of each item's tokens. Large inputs: the large items' texts are counted,
     newest first, until the bounds of the newer items reach ``context`` (then nothing older
     can be kept anyway). Pure, and thread-safe: the app runs it in a worker thread."""
-    bounds = [_chars_bound(item) for item in items]
+    hidden = compacted_away(items)  # a compaction replaced them: they render nothing
+    bounds = [0 if index in hidden else _chars_bound(item) for index, item in enumerate(items)]
     if not large_input(items):
         return bounds
     newer = 0
@@ -78,7 +79,8 @@ def token_bounds(items: Sequence[Item], context: int) -> list[int]:
         if newer >= context:
             break
         text = _item_text(items[index])
-        if len(text) >= LARGE_ITEM_CHARS and not isinstance(items[index], Reasoning):
+        if (len(text) >= LARGE_ITEM_CHARS and not isinstance(items[index], Reasoning)
+                and index not in hidden):  # fmt: skip
             bounds[index] = max(bounds[index], count_tokens(text, limit=context - newer))
         newer += bounds[index]
     return bounds

@@ -203,4 +203,9 @@ def output_to_items(output: list[dict[str, Any]]) -> list[Item]:
             items.append(
                 FunctionCall(entry["call_id"], entry["name"], entry["arguments"], namespace)
             )
+        elif entry["type"] == "compaction":
+            summary = unseal(entry["encrypted_content"], COMPACTION_PREFIX)
+            if summary is None:  # this server's own output: it always decodes
+                raise ValueError(f"compaction item {entry['id']} does not decode")
+            items.append(Compaction(summary))
     return items

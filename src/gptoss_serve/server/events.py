@@ -24,6 +24,7 @@ from gptoss_serve.harmony.conversation import (
     split_recipient,
 )
 from gptoss_serve.server.objects import (
+    CompactionOutput,
     FunctionCallOutputObject,
     MessageOutput,
     OutputTextPart,
@@ -88,6 +89,18 @@ def start(state: StreamState) -> list[Event]:
     return [
         state.event("response.created", response=snapshot),
         state.event("response.in_progress", response=snapshot),
+    ]
+
+
+def compaction(state: StreamState, item: CompactionOutput) -> list[Event]:
+    """The summary a response made of its conversation before it answered, as its first
+    output item: ``response.output_item.added`` and ``.done``, both with the whole item."""
+    index = len(state.response.output)
+    state.response.output.append(item)
+    data = item.model_dump(mode="json")
+    return [
+        state.event("response.output_item.added", output_index=index, item=data),
+        state.event("response.output_item.done", output_index=index, item=data),
     ]
 
 

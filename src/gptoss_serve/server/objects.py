@@ -86,8 +86,19 @@ class FunctionCallOutputObject(BaseModel):
         return data
 
 
+class CompactionOutput(BaseModel):
+    """The summary a response made of its conversation before answering (``context_management``,
+    server/compaction.py), first in its output: the items before it, but the user messages,
+    are then out of the prompt (harmony/render.py)."""
+
+    type: Literal["compaction"] = "compaction"
+    id: str
+    encrypted_content: str
+
+
 OutputItem = Annotated[
-    ReasoningOutput | MessageOutput | FunctionCallOutputObject, Field(discriminator="type")
+    ReasoningOutput | MessageOutput | FunctionCallOutputObject | CompactionOutput,
+    Field(discriminator="type"),
 ]
 
 

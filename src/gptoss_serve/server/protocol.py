@@ -372,6 +372,14 @@ class ConversationRef(StrictModel):
     id: str = Field(min_length=1)
 
 
+class ContextManagement(StrictModel):
+    """Compaction inside a response: past ``compact_threshold`` tokens of prompt (None: 80% of
+    the context window) the conversation is summarised first (server/compaction.py)."""
+
+    type: Literal["compaction"]
+    compact_threshold: int | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
+
+
 class CreateResponseRequest(StrictModel):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
@@ -414,6 +422,7 @@ class CreateResponseRequest(StrictModel):
     # begin; 0 means no reasoning. Without it, the server's budget for the reasoning effort
     # (capped at half of the output tokens) applies. Send it with the SDK's `extra_body`.
     reasoning_budget: int | None = Field(default=None, ge=0, le=MAX_REASONING_BUDGET)
+    context_management: list[ContextManagement] | None = Field(default=None, max_length=1)
 
     @model_validator(mode="before")
     @classmethod

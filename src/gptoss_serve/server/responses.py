@@ -12,7 +12,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from gptoss_serve.server.generated_tokens import GeneratedTokens
 from gptoss_serve.server.logprobs import logprob_entry
 from gptoss_serve.server.metrics import RequestTimer, ServerMetrics
 from gptoss_serve.server.objects import (
+    CompactionOutput,
     ConversationRefObject,
     IncompleteDetails,
     ResponseError,
@@ -92,6 +93,9 @@ class Prepared:
     replays: GeneratedMessages | None = None
     # When the request arrived (time.monotonic()): ``run`` reports the time until it started.
     received_at: float = field(default_factory=time.monotonic)
+    # The summary this response made of its conversation first (``context_management``,
+    # compaction.py): its first output item, and the prompt continues from it.
+    compaction: CompactionOutput | None = None
     state: events.StreamState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +127,7 @@ async def prepare(
     *,
     locks: ConversationLocks,
     replays: GeneratedMessages,
+    compactor: Callable[[Draft], Awaitable[Prepared]] | None = None,
 ) -> Prepared:
     """Check everything a client could get wrong; build the prompt. Raises APIError. A large
     input's tokens are counted in a worker thread, in short runs between which the event loop
@@ -131,13 +136,17 @@ async def prepare(
     is leased before its items are read (so no other response adds to it meanwhile) until the
     response ends: ``run`` releases it. The assistant messages the model generated, in
     ``replays``, go into the prompt as it generated them (harmony/replay.py); the messages this
-    response completes are kept there when it ends."""
+    response completes are kept there when it ends. ``compactor`` (``context_management``,
+    compaction.py) turns the draft into the prepared response, compacting it first if it must."""
     received_at = request_received_at.get() or time.monotonic()
     conversation_id = request.conversation_id
     lease = None if conversation_id is None else locks.acquire(conversation_id)
     try:
         draft = await make_draft(request, engine, store, config)
-        prepared = finish(draft, config, await fit_prompt(draft, renderers, replays))
+        if compactor is not None:
+            prepared = await compactor(draft)
+        else:
+            prepared = finish(draft, config, await fit_prompt(draft, renderers, replays))
     except BaseException:
         if lease is not None:
             lease.release()
@@ -437,6 +446,9 @@ async def _run(
     state = prepared.state
     for event in events.start(state):
         yield event
+    if prepared.compaction is not None:
+        for event in events.compaction(state, prepared.compaction):
+            yield event
     parser = HarmonyStreamParser()
     generated = GeneratedTokens()
     num_output = num_reasoning = 0
@@ -500,7 +512,8 @@ async def _run(
 def _keep(prepared: Prepared, store: ResponseStore, generated: GeneratedTokens) -> None:
     """The response's generated messages kept for the prompts that replay them, then the
     response stored (``store_response``)."""
-    if prepared.replays is not None:
+    # After a compaction the next prompt's history is another (render.compacted_away).
+    if prepared.replays is not None and prepared.compaction is None:
         generated.remember(prepared.replays, prepared.prompt_ids, prepared.response.output)
     store_response(prepared, store)
 
