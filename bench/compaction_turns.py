@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import sys
@@ -27,8 +28,10 @@ from typing import Any
 
 import openai
 
+logger = logging.getLogger("bench.compaction_turns")
 VOCABULARY = ("river", "stone", "cloud", "paper", "engine", "garden", "signal", "copper")
 FIRST_TOKEN_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta")
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -36,14 +39,17 @@ def _text(rng: random.Random, words: int) -> str:
 
 
 def _timed_stream(client: openai.OpenAI, **request: Any) -> tuple[Any, float, float]:
-    """(final response, seconds to its first text or reasoning delta, seconds in all)."""
+    """(final response, seconds to its first text or reasoning delta, seconds in all); the
+    final response is the terminal event's (completed, or incomplete at the output cap)."""
     started = time.perf_counter()
-    first = None
-    with client.responses.stream(**request) as stream:
-        for event in stream:
-            if first is None and event.type in FIRST_TOKEN_EVENTS:
-                first = time.perf_counter() - started
-        final = stream.get_final_response()
+    first = final = None
+    for event in client.responses.create(stream=True, **request):
+        if first is None and event.type in FIRST_TOKEN_EVENTS:
+            first = time.perf_counter() - started
+        if event.type in TERMINAL_EVENTS:
+            final = event.response
+    if final is None or final.status == "failed":
+        raise RuntimeError(f"the response did not end well: {final}")
     return final, first or float("nan"), time.perf_counter() - started
 
 
@@ -51,8 +57,14 @@ def _row(call: str, seconds: float, usage: Any, ttft: float | None = None, **ext
     row = {"call": call, "seconds": round(seconds, 3), "input_tokens": usage.input_tokens,
            "output_tokens": usage.output_tokens,
            "ttft_ms": None if ttft is None else round(ttft * 1e3, 1), **extra}  # fmt: skip
-    print(f"{call:<34} {seconds * 1e3:9.1f} ms  in {usage.input_tokens:6d}  out "
-          f"{usage.output_tokens:5d}" + ("" if ttft is None else f"  ttft {ttft * 1e3:7.1f} ms"))
+    logger.info(
+        "%-34s %9.1f ms  in %6d  out %5d%s",
+        call,
+        seconds * 1e3,
+        usage.input_tokens,
+        usage.output_tokens,
+        "" if ttft is None else f"  ttft {ttft * 1e3:7.1f} ms",
+    )
     return row
 
 
@@ -66,6 +78,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     client = openai.OpenAI(base_url=f"{args.base_url}/v1", api_key=os.environ.get(
         "OPENAI_API_KEY", "none"), max_retries=0, timeout=600)  # fmt: skip
     model = args.model or client.models.list().data[0].id
@@ -89,7 +102,7 @@ def main() -> int:
         client, input=[*sent_back, {"role": "user", "content": _text(rng, args.words)}], **common
     )
     rows.append(_row("turn after compact (items)", seconds, response.usage, ttft))
-    threshold = max(1, response.usage.input_tokens // 2)
+    threshold = max(1, rows[args.turns - 1]["input_tokens"] // 2)  # the chain's is over it
     response, ttft, seconds = _timed_stream(
         client, input=_text(rng, args.words), previous_response_id=previous,
         extra_body={"context_management": [{"type": "compaction",
@@ -99,12 +112,23 @@ def main() -> int:
     rows.append(_row("turn with context_management", seconds, response.usage, ttft,
                      items=kinds))  # fmt: skip
     if kinds[:1] != ["compaction"]:
-        print("the context_management turn did not compact", file=sys.stderr)
+        logger.error("the context_management turn did not compact: %s", kinds)
         return 1
     if args.out is not None:
-        args.out.write_text(json.dumps({"base_url": args.base_url, "model": model,
-                                        "turns": args.turns, "words": args.words,
-                                        "output": args.output, "rows": rows}, indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "base_url": args.base_url,
+                    "model": model,
+                    "turns": args.turns,
+                    "words": args.words,
+                    "output": args.output,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 
