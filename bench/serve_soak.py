@@ -2,11 +2,13 @@
 mid-stream or time out mid-generation, background responses cancelled, chat choices (``n``),
 stop sequences, grammars, long prompts, ``previous_response_id`` chains, tool loops (each turn
 a required call, continued by id and then by sending every item back: the prompts that
-replay the model's messages, harmony/replay.py). Afterwards the engine
+replay the model's messages, harmony/replay.py), compactions (``/v1/responses/compact``, then
+a ``context_management`` turn on its output). Afterwards the engine
 must be idle with its KV cache free, and no request may have had a 5xx or a broken stream.
 
     python bench/serve_soak.py --base-url http://127.0.0.1:8000 [--seconds 150]
-        [--workers 48] [--prompt-words 2500] [--model ID] [--out bench/results/serve_soak.json]
+        [--workers 48] [--prompt-words 2500] [--model ID] [--skip KIND ...]
+        [--out bench/results/serve_soak.json]
 
 First, on the idle server, a chat request with ``n: 4`` and a fresh prompt (2,500 words), and then
 4 separate requests with another fresh prompt at once: the engine's prefix-cache counters say
@@ -52,7 +54,7 @@ LOOP_TOOLS = [LOOP_FUNCTION, {"type": "namespace", "name": "ns",
                               "tools": [LOOP_FUNCTION]}]  # fmt: skip
 KINDS = ("chat_n", "chat_stream_n", "chat_stream_cut", "chat_stop", "responses_stream_cut",
          "timeout", "background_cancel", "json_schema", "tool_required", "long",
-         "chain", "tool_loop")  # fmt: skip
+         "chain", "tool_loop", "compaction")  # fmt: skip
 HITS = "gptoss_prefix_cache_hit_tokens_total"
 QUERIED = "gptoss_prefix_cache_queried_tokens_total"
 WAITS = "gptoss_prefix_cache_waits_total"
@@ -111,8 +113,8 @@ async def prefix_reuse(
 
 
 class Soak:
-    def __init__(self, base: str, model: str) -> None:
-        self.base, self.model = base, model
+    def __init__(self, base: str, model: str, kinds: tuple[str, ...] = KINDS) -> None:
+        self.base, self.model, self.kinds = base, model, kinds
         self.codes: collections.Counter[str] = collections.Counter()
         self.problems: list[str] = []
         # A tool loop's completed calls by namespace ("functions": the top-level function).
@@ -124,7 +126,7 @@ class Soak:
             self.problems.append(f"{kind}: HTTP {status}")
 
     async def one(self, client: httpx.AsyncClient, rng: random.Random, salt: int) -> None:
-        kind = rng.choice(KINDS)
+        kind = rng.choice(self.kinds)
         text = words(rng.randint(5, 400), salt)
         if kind.startswith("chat"):
             await self._chat(client, kind, rng, salt, text)
@@ -132,6 +134,8 @@ class Soak:
             await self._constrained(client, kind, text)
         elif kind == "tool_loop":
             await self._tool_loop(client, text)
+        elif kind == "compaction":
+            await self._compaction(client, text)
         else:
             await self._responses(client, kind, rng, salt, text)
 
@@ -189,6 +193,39 @@ class Soak:
                 body = {"model": self.model, "previous_response_id": reply.json()["id"],
                         "input": "more", "max_output_tokens": 32}  # fmt: skip
                 self.count(f"{kind}_2", (await client.post(url, json=body)).status_code)
+
+    async def _compaction(self, client: httpx.AsyncClient, text: str) -> None:
+        """A response, its conversation compacted (``/v1/responses/compact``), the compacted
+        output sent back with a turn that compacts again (``context_management`` with a
+        threshold every prompt passes): each compaction's item where it belongs."""
+        url = f"{self.base}/v1/responses"
+        body = {"model": self.model, "input": text, "max_output_tokens": 32, "store": False}
+        reply = await client.post(url, json=body)
+        self.count("compaction_turn", reply.status_code)
+        if reply.status_code != 200:
+            return
+        history = [{"role": "user", "content": text}, *_as_input(reply.json()["output"])]
+        compact = await client.post(f"{url}/compact", json={"model": self.model,
+                                                             "input": history})  # fmt: skip
+        self.count("compaction_compact", compact.status_code)
+        if compact.status_code != 200:
+            return
+        output = compact.json()["output"]
+        if [item["type"] for item in output] != ["message", "compaction"]:
+            self.problems.append(f"compaction: compacted to {[i['type'] for i in output]}")
+            return
+        managed = [{"type": "compaction", "compact_threshold": 1}]
+        body = {
+            "model": self.model,
+            "input": [*output, {"role": "user", "content": "more"}],
+            "max_output_tokens": 32,
+            "store": False,
+            "context_management": managed,
+        }
+        turn = await client.post(url, json=body)
+        self.count("compaction_managed", turn.status_code)
+        if turn.status_code == 200 and turn.json()["output"][0]["type"] != "compaction":
+            self.problems.append("compaction: a managed turn past its threshold did not compact")
 
     async def _stream(self, client, kind, path, body, *, cut=None, last_expected=None) -> None:
         async with client.stream("POST", f"{self.base}{path}", json=body) as reply:
@@ -298,7 +335,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "model": model,
             "prefix_reuse": await prefix_reuse(client, args.base_url, model, args.prompt_words),
         }
-        runner = Soak(args.base_url, model)
+        kinds = tuple(kind for kind in KINDS if kind not in args.skip)
+        runner = Soak(args.base_url, model, kinds)
         start = time.perf_counter()
         deadline = start + args.seconds
         await asyncio.gather(*(runner.worker(w, deadline) for w in range(args.workers)))
@@ -323,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prompt-words", type=int, default=2500, help="of the prefix-reuse prompts"
     )
+    parser.add_argument("--skip", nargs="*", default=[], choices=KINDS, help="kinds left out")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
