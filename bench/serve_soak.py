@@ -195,9 +195,10 @@ class Soak:
                 self.count(f"{kind}_2", (await client.post(url, json=body)).status_code)
 
     async def _compaction(self, client: httpx.AsyncClient, text: str) -> None:
-        """A response, its conversation compacted (``/v1/responses/compact``), the compacted
-        output sent back with a turn that compacts again (``context_management`` with a
-        threshold every prompt passes): each compaction's item where it belongs."""
+        """A response; its conversation compacted (``/v1/responses/compact``) and the
+        compacted output sent back with a new message; then the same conversation and a new
+        message with ``context_management`` (a threshold every prompt passes): it compacts
+        first."""
         url = f"{self.base}/v1/responses"
         body = {"model": self.model, "input": text, "max_output_tokens": 32, "store": False}
         reply = await client.post(url, json=body)
@@ -205,6 +206,7 @@ class Soak:
         if reply.status_code != 200:
             return
         history = [{"role": "user", "content": text}, *_as_input(reply.json()["output"])]
+        more = {"role": "user", "content": "more"}
         compact = await client.post(f"{url}/compact", json={"model": self.model,
                                                              "input": history})  # fmt: skip
         self.count("compaction_compact", compact.status_code)
@@ -214,14 +216,11 @@ class Soak:
         if [item["type"] for item in output] != ["message", "compaction"]:
             self.problems.append(f"compaction: compacted to {[i['type'] for i in output]}")
             return
+        body = {"model": self.model, "input": [*output, more], "max_output_tokens": 32,
+                "store": False}  # fmt: skip
+        self.count("compaction_sent_back", (await client.post(url, json=body)).status_code)
         managed = [{"type": "compaction", "compact_threshold": 1}]
-        body = {
-            "model": self.model,
-            "input": [*output, {"role": "user", "content": "more"}],
-            "max_output_tokens": 32,
-            "store": False,
-            "context_management": managed,
-        }
+        body = {**body, "input": [*history, more], "context_management": managed}
         turn = await client.post(url, json=body)
         self.count("compaction_managed", turn.status_code)
         if turn.status_code == 200 and turn.json()["output"][0]["type"] != "compaction":
