@@ -174,7 +174,9 @@ def test_sampling_fields_reach_the_engine(served) -> None:
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]  # fmt: skip
     assert [entry.token for entry in streamed] == [entry.token for entry in entries]
-    assert streamed[-1].bytes is None and streamed[0].bytes == entries[0].bytes
+    # Streamed too, each token's bytes exactly (the emoji's first token has U+FFFD as text).
+    assert "\ufffd" in streamed[-2].token
+    assert [entry.bytes for entry in streamed] == [entry.bytes for entry in entries]
 
 
 def test_n_choices_each_a_generation_of_their_own(served) -> None:

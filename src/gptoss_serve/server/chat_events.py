@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gptoss_serve.server.events import EventLogprobs
 from gptoss_serve.server.stop_sequences import StopSequences
 
 FINISH_REASONS = {"completed": "stop", "incomplete": "length"}
@@ -51,7 +52,7 @@ def _text_delta(state: ChatStreamState, event: dict[str, Any]) -> list[dict[str,
     logprobs = event.get("logprobs")
     if not text and not logprobs:  # held back (it may begin a stop sequence) or after one
         return []
-    chosen = {"content": [_with_bytes(entry) for entry in logprobs]} if logprobs else None
+    chosen = {"content": _with_bytes(logprobs)} if logprobs else None
     return [_chunk(state, {"content": text}, logprobs=chosen)]
 
 
@@ -187,13 +188,8 @@ def _chunk(
     return {**_head(state), "choices": [entry]}
 
 
-def _with_bytes(entry: dict[str, Any]) -> dict[str, Any]:
-    """A streamed log-probability entry as chat's: the Responses events carry no ``bytes``, so
-    they come from the token's text, or are null where that text cut a UTF-8 sequence (U+FFFD
-    stands for the bytes; the non-streamed completion has them exactly)."""
-    top = [{**alt, "bytes": _utf8(alt["token"])} for alt in entry["top_logprobs"]]
-    return {**entry, "bytes": _utf8(entry["token"]), "top_logprobs": top}
-
-
-def _utf8(token: str) -> list[int] | None:
-    return None if "\ufffd" in token else list(token.encode())
+def _with_bytes(logprobs: EventLogprobs) -> list[dict[str, Any]]:
+    """A text delta's log-probability entries as chat's, each with its token's ``bytes``,
+    which the Responses event carries beside its JSON (a token that cuts a UTF-8 sequence has
+    its bytes only there: its text holds U+FFFD)."""
+    return list(logprobs.with_bytes)

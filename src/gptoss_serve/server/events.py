@@ -248,18 +248,29 @@ def _where(item: OpenItem) -> dict[str, Any]:
     return {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
 
 
-def _event_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Log-probabilities as the text events carry them: without ``bytes`` (the SDK's types)."""
-    return [
-        {
-            "token": entry["token"],
-            "logprob": entry["logprob"],
-            "top_logprobs": [
-                {"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]
-            ],
-        }
-        for entry in entries
-    ]
+class EventLogprobs(list):
+    """A text event's log-probabilities as it carries them, without ``bytes`` (the SDK's
+    types), and the whole entries beside them (``with_bytes``, not in the JSON): the chat
+    stream (chat_events.py) gives each token's bytes, which a token that cuts a UTF-8
+    sequence has only there (its text holds U+FFFD)."""
+
+    def __init__(self, entries: list[dict[str, Any]]) -> None:
+        super().__init__(
+            {
+                "token": entry["token"],
+                "logprob": entry["logprob"],
+                "top_logprobs": [
+                    {"token": top["token"], "logprob": top["logprob"]}
+                    for top in entry["top_logprobs"]
+                ],
+            }
+            for entry in entries
+        )
+        self.with_bytes = entries
+
+
+def _event_logprobs(entries: list[dict[str, Any]]) -> EventLogprobs:
+    return EventLogprobs(entries)
 
 
 def _part(item: OpenItem) -> OutputTextPart | ReasoningTextPart:
