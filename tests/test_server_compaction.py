@@ -357,6 +357,20 @@ def test_a_conversation_keeps_its_compaction(
     assert "to=functions.get_weather" not in prompt and f"{COMPACTION_INTRO}{SUMMARY}" in prompt
 
 
+def test_metrics_count_compactions_by_way(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    history = _tool_history(scripted_client, scripted_engine)
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY))
+    _compact(scripted_client, input=history)
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY), harmony_tokens(REPLY))
+    _create(scripted_client, input=history, tools=TOOLS, context_management=MANAGED)
+    _create(scripted_client, input="Short.", context_management=MANAGED)  # nothing to leave out
+    text = scripted_client.get("/metrics").text
+    assert 'gptoss_compactions_total{way="compact"} 1.0' in text
+    assert 'gptoss_compactions_total{way="managed"} 1.0' in text
+
+
 def test_bad_context_management_is_a_400(scripted_client: TestClient) -> None:
     def post(entries: Any):
         body = {"model": "demo", "input": "Hi", "context_management": entries}

@@ -162,7 +162,7 @@ def _add_compact_route(app: FastAPI, runs: BackgroundRuns, services: Services) -
             logger.info("compaction %s: the client left; generation stopped",
                         compacting.prepared.response.id)  # fmt: skip
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(compacted(compacting).model_dump(mode="json"))
+        return JSONResponse(compacted(compacting, services.metrics).model_dump(mode="json"))
 
 
 def _add_input_items_route(app: FastAPI, store: ResponseStore) -> None:

@@ -109,10 +109,11 @@ async def prepare_compaction(body: CompactRequest, services: Services) -> Compac
     return Compacting(await _prepare_summary(draft, services), users)
 
 
-def compacted(compacting: Compacting) -> CompactedResponseObject:
-    """The compacted response, once the summary's generation has ended. Raises APIError (a
-    500) if the generation failed."""
-    summary = CompactionOutput(id=new_id("cmp"), encrypted_content=_sealed(compacting.prepared))
+def compacted(compacting: Compacting, metrics: ServerMetrics | None) -> CompactedResponseObject:
+    """The compacted response, once the summary's generation has ended (counted in
+    ``metrics``). Raises APIError (a 500) if the generation failed."""
+    sealed = _sealed(compacting.prepared, metrics, "compact")
+    summary = CompactionOutput(id=new_id("cmp"), encrypted_content=sealed)
     return CompactedResponseObject(
         id=compacting.prepared.response.id,
         created_at=int(time.time()),
@@ -158,7 +159,7 @@ async def _prepare_compacted(
                                                                services.replays))  # fmt: skip
     summarising = await _prepare_summary(draft, services)
     await _run_to_end(summarising, services)
-    sealed = _sealed(summarising)
+    sealed = _sealed(summarising, services.metrics, "managed")
     summary = Compaction(_answer(summarising))
     with_summary = dataclasses.replace(
         draft, render=dataclasses.replace(draft.render, items=(*draft.render.items, summary))
@@ -233,8 +234,9 @@ def _answer(prepared: Prepared) -> str:
     )
 
 
-def _sealed(prepared: Prepared) -> str:
-    """The ended generation's summary, sealed; a failed one raises APIError (a 500)."""
+def _sealed(prepared: Prepared, metrics: ServerMetrics | None, way: str) -> str:
+    """The ended generation's summary, sealed (a compaction counted in ``metrics`` by its
+    ``way``); a failed one raises APIError (a 500)."""
     response = prepared.response
     if response.status == "failed":
         message = response.error.message if response.error else "the generation failed"
@@ -243,4 +245,6 @@ def _sealed(prepared: Prepared) -> str:
     if response.status != "completed":
         logger.warning("compaction %s: the summary was cut at %d output tokens", response.id,
                        response.usage.output_tokens)  # fmt: skip
+    if metrics is not None:
+        metrics.compactions.labels(way=way).inc()
     return seal(_answer(prepared), COMPACTION_PREFIX)
