@@ -4,6 +4,7 @@ the model wrote; sent back, the summary stands in for the items it replaced."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -389,3 +390,22 @@ def _stream_events(client: TestClient, **body: Any) -> tuple[list[dict[str, Any]
         assert response.status_code == 200
         events = sse_events(response.read().decode())
     return events, events[-1]["response"]
+
+
+def test_a_background_response_compacts_before_it_is_queued() -> None:
+    with scripted_server(REPLY) as (_, client, engine):
+        engine.queue(harmony_tokens(PREAMBLE_AND_CALL))
+        first = client.responses.create(model="demo", input="Weather?", tools=TOOLS)
+        call = first.output[-1]
+        engine.queue(harmony_tokens(SUMMARY_REPLY), harmony_tokens(REPLY))
+        created = client.responses.create(
+            model="demo", previous_response_id=first.id, tools=TOOLS, background=True,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12 C"}],
+            extra_body={"context_management": MANAGED},
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while (done := client.responses.retrieve(created.id)).status != "completed":
+            assert time.monotonic() < deadline, done.status
+            time.sleep(0.02)
+    assert [item.type for item in done.output] == ["compaction", "message"]
+    assert unseal(done.output[0].encrypted_content, COMPACTION_PREFIX) == SUMMARY
