@@ -11,6 +11,7 @@ import pytest
 
 from gptoss_serve.harmony import adapter, render
 from gptoss_serve.harmony.conversation import (
+    Compaction,
     FunctionCall,
     FunctionCallOutput,
     FunctionTool,
@@ -61,7 +62,7 @@ def random_request(rng: random.Random, day: int) -> RenderRequest:
     items: list[Item] = []
     for _ in range(rng.randint(1, 10)):
         namespace = rng.choice(["functions", "ns", "multi_agent_v1"])
-        kind = rng.randrange(5)
+        kind = rng.randrange(6)
         if kind == 0:
             role = rng.choice(["user", "assistant", "system", "developer"])
             items.append(Message(role, text(), rng.choice([None, "final", "commentary"])))
@@ -71,6 +72,8 @@ def random_request(rng: random.Random, day: int) -> RenderRequest:
             items.append(FunctionCall("c", rng.choice(["f", "g_1"]), text(), namespace))
         elif kind == 3:
             items.append(FunctionCallOutput("c", "f", text(), namespace))
+        elif kind == 4:
+            items.append(Compaction(text()))  # what it stands in for leaves the prompt
         else:
             items.append(Message("user", text()))
     tools = tuple(
