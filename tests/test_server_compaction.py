@@ -409,3 +409,35 @@ def test_a_background_response_compacts_before_it_is_queued() -> None:
             time.sleep(0.02)
     assert [item.type for item in done.output] == ["compaction", "message"]
     assert unseal(done.output[0].encrypted_content, COMPACTION_PREFIX) == SUMMARY
+
+
+def test_a_compaction_trigger_compacts_whatever_the_size(
+    scripted_client: TestClient, scripted_engine: ScriptedEngine
+) -> None:
+    """The SDK's ``compaction_trigger``, the last input item: the response compacts first,
+    however short its prompt, then answers; the trigger is no item of the conversation."""
+    history = _tool_history(scripted_client, scripted_engine)
+    scripted_engine.queue(harmony_tokens(SUMMARY_REPLY), harmony_tokens(REPLY))
+    response = _create(scripted_client, input=[*history, {"type": "compaction_trigger"}],
+                       tools=TOOLS)  # fmt: skip
+    assert [item["type"] for item in response["output"]] == ["compaction", "message"]
+    assert decode(scripted_engine.prompts[-1]).endswith(
+        f"<|start|>user<|message|>{COMPACTION_INTRO}{SUMMARY}<|end|><|start|>assistant"
+    )
+    listed = scripted_client.get(f"/v1/responses/{response['id']}/input_items?limit=100")
+    assert "compaction_trigger" not in {item["type"] for item in listed.json()["data"]}
+    # Nothing a summary could leave out: it answers at once.
+    calls = len(scripted_engine.prompts)
+    scripted_engine.queue(harmony_tokens(REPLY))
+    _create(scripted_client, input=[{"role": "user", "content": "Hi"},
+                                    {"type": "compaction_trigger", "id": "ct_1"}])  # fmt: skip
+    assert len(scripted_engine.prompts) == calls + 1
+
+
+def test_a_compaction_trigger_goes_last_and_in_a_response(scripted_client: TestClient) -> None:
+    trigger = {"type": "compaction_trigger"}
+    early = scripted_client.post("/v1/responses", json={
+        "model": "demo", "input": [trigger, {"role": "user", "content": "Hi"}]})  # fmt: skip
+    assert_error(early, 400, "input[0]")
+    conversation = scripted_client.post("/v1/conversations", json={"items": [trigger]})
+    assert_error(conversation, 400, "items[0].type")

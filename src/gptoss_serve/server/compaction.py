@@ -7,7 +7,8 @@ it replaced (the official API's two ways).
 - ``context_management: [{"type": "compaction", "compact_threshold": N}]`` on a create request
   (``compacting_preparer``): if the conversation's prompt is over N tokens (or over the
   context), the summary is made first; the response's first output item is the compaction,
-  and its prompt is the user messages and the summary.
+  and its prompt is the user messages and the summary. A ``compaction_trigger`` as the last
+  input item does the same whatever the prompt's size.
 
 The model writes the summary. Its prompt is the conversation (the ``previous_response_id``
 chain's or the conversation's items, then ``input``) under the request's ``instructions``,
@@ -38,6 +39,7 @@ from gptoss_serve.server.errors import APIError
 from gptoss_serve.server.metrics import ServerMetrics
 from gptoss_serve.server.objects import CompactedResponseObject, CompactionOutput, new_id
 from gptoss_serve.server.protocol import (
+    CompactionTrigger,
     CompactRequest,
     CreateResponseRequest,
     InputMessage,
@@ -128,11 +130,13 @@ def compacted(compacting: Compacting, metrics: ServerMetrics | None) -> Compacte
 def compacting_preparer(
     request: CreateResponseRequest, services: Services
 ) -> Callable[[Draft], Awaitable[Prepared]] | None:
-    """``responses.prepare``'s ``compactor`` for a request with ``context_management`` (None
-    without)."""
-    if not request.context_management:
+    """``responses.prepare``'s ``compactor`` for a request with ``context_management`` or
+    whose input ends with a ``compaction_trigger`` (that one compacts whatever the prompt's
+    size); None for any other."""
+    triggered = bool(request.input) and isinstance(request.input[-1], CompactionTrigger)
+    if not request.context_management and not triggered:
         return None
-    threshold = request.context_management[0].compact_threshold
+    threshold = 0 if triggered else request.context_management[0].compact_threshold
     return functools.partial(_prepare_compacted, services=services, threshold=threshold)
 
 
@@ -151,7 +155,7 @@ async def _prepare_compacted(
     except APIError as error:
         if error.code != "context_length_exceeded":
             raise
-    limit = threshold or int(DEFAULT_THRESHOLD_SHARE * draft.context)
+    limit = int(DEFAULT_THRESHOLD_SHARE * draft.context) if threshold is None else threshold
     if fitted is not None and len(fitted[0]) <= limit:
         return finish(draft, services.config, fitted)
     if not _summary_leaves_out(draft.render.items):  # a summary would not shorten it

@@ -24,6 +24,7 @@ from gptoss_serve.server.errors import APIError, bad_request
 from gptoss_serve.server.objects import new_id
 from gptoss_serve.server.protocol import (
     CompactionItem,
+    CompactionTrigger,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
@@ -70,6 +71,8 @@ class InputConverter:
         self.listed: list[dict[str, Any]] = []  # input_items as the API lists them
         self._calls = call_names(history)
         self._lookup_item = lookup_item  # item id -> stored output/input item JSON, or None
+        # Where a compaction_trigger was (it makes no item): the caller says where it may be.
+        self.trigger_param: str | None = None
 
     def add_text(self, text: str) -> None:
         self._add_message(InputMessage(role="user", content=text), "input")
@@ -101,6 +104,8 @@ class InputConverter:
         elif isinstance(raw, ReasoningItem):
             self.items.append(Reasoning(_reasoning_text(raw, param)))
             self.listed.append(_listed(raw, "rs"))
+        elif isinstance(raw, CompactionTrigger):
+            self.trigger_param = param
         elif isinstance(raw, CompactionItem):
             self.items.append(Compaction(_compaction_summary(raw, param)))
             listed = raw.model_dump(mode="json", exclude_none=True)  # it has no status

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Query
 from gptoss_serve.server.conversation import item_from_json
 from gptoss_serve.server.conversation_locks import ConversationLocks
 from gptoss_serve.server.conversation_store import ConversationItem
-from gptoss_serve.server.errors import APIError, not_found
+from gptoss_serve.server.errors import APIError, bad_request, not_found
 from gptoss_serve.server.objects import (
     ConversationItemList,
     ConversationObject,
@@ -147,6 +147,9 @@ def _convert(
     converter = input_converter(store, history)
     for index, raw in enumerate(raw_items):
         converter.add(raw, f"{param}[{index}]")
+    if converter.trigger_param is not None:
+        raise bad_request("A compaction trigger is an input item of a response, not an item "
+                          "of a conversation.", f"{converter.trigger_param}.type")  # fmt: skip
     check_new_items(store, conversation_id, converter.listed, param)
     return conversation_items(converter.listed, converter.items)
 

@@ -149,6 +149,14 @@ class CompactionItem(StrictModel):
     created_by: str | None = None
 
 
+class CompactionTrigger(StrictModel):
+    """The last input item of a response that compacts its conversation first, whatever its
+    size (server/compaction.py), then answers; no item of the conversation itself."""
+
+    type: Literal["compaction_trigger"]
+    id: str | None = None
+
+
 class ItemReference(StrictModel):
     type: Literal["item_reference"]
     id: str = Field(min_length=1)
@@ -167,6 +175,7 @@ InputItem = Annotated[
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[CompactionItem, Tag("compaction")]
+    | Annotated[CompactionTrigger, Tag("compaction_trigger")]
     | Annotated[ItemReference, Tag("item_reference")],
     Discriminator(_item_type),
 ]

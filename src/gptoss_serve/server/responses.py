@@ -224,6 +224,9 @@ def begin(
     else:
         for index, raw in enumerate(request.input):
             converter.add(raw, f"input[{index}]")
+        if converter.trigger_param not in (None, f"input[{len(request.input) - 1}]"):
+            raise bad_request("A compaction trigger must be the final input item.",
+                              converter.trigger_param)  # fmt: skip
     if request.conversation_id is not None:
         check_new_items(store, request.conversation_id, converter.listed, "input")
     conversation = history + converter.items
