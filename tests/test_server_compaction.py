@@ -25,6 +25,7 @@ from gptoss_serve.server.compaction import REASONING_BUDGET, SUMMARY_REQUEST, SU
 from gptoss_serve.server.reasoning_seal import COMPACTION_PREFIX, seal, unseal
 from gptoss_serve.server.store import ResponseStore
 from server_helpers import PREAMBLE_AND_CALL, TOOLS, ScriptedEngine, harmony_tokens, scripted_server
+from test_server_encrypted_reasoning import _create
 from test_server_errors import assert_error
 from test_server_stream import EVENT_TYPES, sse_events
 
@@ -48,13 +49,6 @@ def _compact(client: TestClient, **body: Any) -> dict[str, Any]:
     ResponseCompactionItem.model_validate(item)
     CompactedResponse.model_validate({**data, "output": [item]})
     return data
-
-
-def _create(client: TestClient, **body: Any) -> dict[str, Any]:
-    response = client.post("/v1/responses", json={"model": "demo", **body})
-    assert response.status_code == 200, response.text
-    Response.model_validate(response.json())
-    return response.json()
 
 
 def test_a_conversation_compacts_to_its_user_messages_and_a_summary(

@@ -163,10 +163,13 @@ def compacted_away(items: Sequence[Item]) -> frozenset[int]:
         (index for index, item in enumerate(items) if isinstance(item, Compaction)), default=0
     )
     return frozenset(
-        index
-        for index, item in enumerate(items[:last])
-        if not (isinstance(item, Message) and item.role in ("user", *_INSTRUCTION_ROLES))
+        index for index, item in enumerate(items[:last]) if not kept_by_compaction(item)
     )
+
+
+def kept_by_compaction(item: Item) -> bool:
+    """A user message, or a system/developer one (the instructions): a compaction keeps it."""
+    return isinstance(item, Message) and item.role in ("user", *_INSTRUCTION_ROLES)
 
 
 def is_final_answer(item: Item) -> bool:

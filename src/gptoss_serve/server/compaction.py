@@ -17,7 +17,8 @@ briefly (``REASONING_BUDGET``) and answers in at most ``SUMMARY_TOKENS``. The pr
 for both: a conversation too long for that loses its oldest items from the summary's prompt
 (``truncation: auto``), never from the listed user messages. The summary travels as the item's
 ``encrypted_content`` (server/reasoning_seal.py); in a prompt it is a user message that says
-what it is, and every item before it but the user messages is left out (harmony/render.py).
+what it is, and every item before it but the user and system/developer messages is left out
+(harmony/render.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 from gptoss_serve.config import ServerConfig
 from gptoss_serve.engine.client import EngineClient
 from gptoss_serve.harmony.conversation import Compaction, Item, Message
-from gptoss_serve.harmony.render import compacted_away
+from gptoss_serve.harmony.render import compacted_away, kept_by_compaction
 from gptoss_serve.harmony.replay import GeneratedMessages
 from gptoss_serve.server.errors import APIError
 from gptoss_serve.server.metrics import ServerMetrics
@@ -184,15 +185,11 @@ def _summary_leaves_out(items: tuple[Item, ...]) -> bool:
     messages, and the system/developer ones are the instructions): an assistant message, a
     call, its output or reasoning not out of the prompt already."""
     hidden = compacted_away(items)
-    return any(_replaceable(item) for index, item in enumerate(items) if index not in hidden)
-
-
-def _replaceable(item: Item) -> bool:
-    if isinstance(item, Compaction):
-        return False
-    if isinstance(item, Message):
-        return item.role == "assistant"
-    return True
+    return any(
+        not (kept_by_compaction(item) or isinstance(item, Compaction))
+        for index, item in enumerate(items)
+        if index not in hidden
+    )
 
 
 # -- the summary ------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ def _delta(state: StreamState, text: str) -> list[Event]:
     return [
         state.event(
             "response.output_text.delta", **_where(item), delta=text,
-            logprobs=_event_logprobs(logprobs),
+            logprobs=EventLogprobs(logprobs),
         )
     ]  # fmt: skip
 
@@ -209,7 +209,7 @@ def _close(state: StreamState, status: str) -> list[Event]:
                 "response.output_text.done",
                 **_where(item),
                 text=item.text,
-                logprobs=_event_logprobs(item.logprobs),
+                logprobs=EventLogprobs(item.logprobs),
             )
         )
         part = _part(item).model_dump()
@@ -267,10 +267,6 @@ class EventLogprobs(list):
             for entry in entries
         )
         self.with_bytes = entries
-
-
-def _event_logprobs(entries: list[dict[str, Any]]) -> EventLogprobs:
-    return EventLogprobs(entries)
 
 
 def _part(item: OpenItem) -> OutputTextPart | ReasoningTextPart:

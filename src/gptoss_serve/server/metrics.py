@@ -78,14 +78,14 @@ class ServerMetrics:
             "gptoss_request_queue_seconds",
             "From the start of generation to the engine step that began computing the prompt.",
         )
+        self.prefill = self._seconds(
+            "gptoss_request_prefill_seconds", "From there to the first token: the prompt's "
+            "computing (in one or more steps) and the first sampling.",
+        )  # fmt: skip
         self.compactions = Counter(
             "gptoss_compactions", "Conversations summarised: by /v1/responses/compact "
             "(way=\"compact\"), or first in a response past its context_management threshold "
             "(way=\"managed\").", ["way"], registry=self.registry,
-        )  # fmt: skip
-        self.prefill = self._seconds(
-            "gptoss_request_prefill_seconds", "From there to the first token: the prompt's "
-            "computing (in one or more steps) and the first sampling.",
         )  # fmt: skip
 
     def _seconds(

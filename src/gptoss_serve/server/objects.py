@@ -88,8 +88,8 @@ class FunctionCallOutputObject(BaseModel):
 
 class CompactionOutput(BaseModel):
     """The summary a response made of its conversation before answering (``context_management``,
-    server/compaction.py), first in its output: the items before it, but the user messages,
-    are then out of the prompt (harmony/render.py)."""
+    server/compaction.py), first in its output: the items before it, but the user and
+    system/developer messages, are then out of the prompt (harmony/render.py)."""
 
     type: Literal["compaction"] = "compaction"
     id: str
